@@ -1,0 +1,28 @@
+"""H2O: Heavy-Hitter Oracle (Zhang et al., NeurIPS 2023, arXiv:2306.14048)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from .base import INF, EntryView, Policy
+
+
+@dataclass
+class H2O(Policy):
+    """Keep the ``recent`` newest entries plus the ``heavy`` entries with the largest accumulated attention.
+
+    A token's score is the running sum of the post-softmax probability it received from every query that saw it
+    (all prompt rows causally, then every generated token), summed over the query heads of its KV group; never
+    decayed or normalised (the paper's default).
+    """
+
+    name: ClassVar[str] = "h2o"
+
+    def accumulate(self, scores, mass, last):
+        return scores + mass
+
+    def keep_score(self, entries: EntryView) -> torch.Tensor:
+        return entries.scores.masked_fill(self.recent_window(entries, self.recent), INF)

@@ -1,0 +1,138 @@
+"""The ``"h2o"`` attention function: attention outputs plus the probability mass each key received.
+
+Registered with transformers' ``AttentionInterface`` (and a matching ``AttentionMaskInterface`` entry), it
+runs inside every attention module of a supported model. With an :class:`~h2o_kv.cache.H2OCache` it attends
+over the layer's kept slots (plus the current chunk), computes softmax probabilities explicitly - SDPA and
+FlashAttention never return them - and hands each key's summed probability back to the cache. Without an
+H2O cache it is plain SDPA, so an enabled model behaves exactly as before with any other cache.
+
+Prompts are walked in query chunks: at most ``H2OCache.prefill_chunk_mb`` of scores exist at a time, so no
+``L x L`` attention matrix is ever materialised.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from .cache import _Chunk, pop_active_layer, pop_mask_request
+
+ATTENTION_NAME = "h2o"
+
+
+def attention_with_mass(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    key_pos: torch.Tensor,
+    key_valid: torch.Tensor,
+    first_column: int,
+    scaling: float,
+    *,
+    query_valid: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    need_mass: bool = True,
+    chunk_bytes: int = 64 * 2**20,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Causal attention of ``query`` over entries at arbitrary columns, with per-key probability mass.
+
+    Shapes: ``query [B, Hq, Q, D]`` (row ``i`` sits at column ``first_column + i``), ``keys/values
+    [B, Hkv, N, D]``, ``key_pos/key_valid [B, Hkv, N]``, ``query_valid [B, Q]`` (False rows are padding and
+    add no mass). Query head ``j`` reads KV head ``j // (Hq // Hkv)`` (GQA). A key is visible to a row when it
+    is valid and not in the row's future (and inside ``sliding_window``); a row always sees its own key.
+
+    Returns ``(output [B, Q, Hq, Dv], mass [B, Hkv, N], last [B, Hkv, N])``: ``mass`` is the probability
+    summed over the group's query heads and all real rows, ``last`` the same for the last row only (float32).
+    """
+    batch, q_heads, rows, dim = query.shape
+    kv_heads, entries = keys.shape[1], keys.shape[2]
+    group = q_heads // kv_heads
+    grouped = query.reshape(batch, kv_heads, group, rows, dim)
+    keys_t = keys.transpose(2, 3)
+    output = query.new_empty((batch, kv_heads, group, rows, values.shape[-1]))
+    mass = torch.zeros((batch, kv_heads, entries), dtype=torch.float32, device=query.device) if need_mass else None
+    last = None
+    step = max(1, chunk_bytes // (8 * batch * q_heads * entries))
+    pos = key_pos.unsqueeze(2)  # [B, Hkv, 1, N]
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        columns = torch.arange(first_column + r0, first_column + r1, device=query.device).view(1, 1, -1, 1)
+        visible = (key_valid.unsqueeze(2) & (pos <= columns)) | (pos == columns)  # [B, Hkv, rows, N]
+        if sliding_window is not None:
+            visible &= pos > columns - sliding_window
+        q = grouped[:, :, :, r0:r1].reshape(batch, kv_heads, group * (r1 - r0), dim)
+        logits = torch.matmul(q, keys_t).view(batch, kv_heads, group, r1 - r0, entries) * scaling
+        logits = logits.masked_fill(~visible.unsqueeze(2), float("-inf"))
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        out = torch.matmul(probs.to(values.dtype).view(batch, kv_heads, -1, entries), values)
+        output[:, :, :, r0:r1] = out.view(batch, kv_heads, group, r1 - r0, -1)
+        if need_mass:
+            if query_valid is not None:
+                probs = probs * query_valid[:, r0:r1].view(batch, 1, 1, -1, 1)
+            mass += probs.sum(dim=(2, 3))
+            if r1 == rows:
+                last = probs[:, :, :, -1].sum(2)
+    output = output.reshape(batch, q_heads, rows, -1).transpose(1, 2).contiguous()
+    return output, mass, last
+
+
+def h2o_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Attention for an ``H2OCache`` layer, or SDPA when no H2O cache is in use."""
+    layer = pop_active_layer()
+    if layer is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    rows = query.shape[2]
+    if attention_mask is not None and attention_mask.dim() != 2:
+        raise RuntimeError("the 'h2o' attention expects the 2D padding mask built by its mask function")
+    is_real = None if attention_mask is None else attention_mask[:, -rows:].to(torch.bool)
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    need_mass = layer.cache.policy.needs_attention
+    pending = layer.pending
+    if isinstance(pending, _Chunk):
+        if is_real is not None:
+            layer.mark_padding(is_real)
+        output, mass, last = attention_with_mass(
+            query, key, value, pending.pos, pending.valid, layer.seen - rows, scaling,
+            query_valid=is_real, sliding_window=sliding_window, need_mass=need_mass,
+            chunk_bytes=layer.cache.prefill_chunk_bytes,
+        )  # fmt: skip
+        layer.commit(mass, last)
+        return output, None
+    outputs = []
+    for i in range(rows):  # decode step(s): write, attend over the slots, score, evict
+        real = None if is_real is None else is_real[:, i]
+        layer.write_step(pending.keys[:, :, i : i + 1], pending.values[:, :, i : i + 1], real)
+        output, mass, last = attention_with_mass(
+            query[:, :, i : i + 1], layer.keys, layer.values, layer.pos, layer.valid, layer.seen - 1, scaling,
+            sliding_window=sliding_window, need_mass=need_mass,
+        )  # fmt: skip
+        layer.commit(mass, last)
+        outputs.append(output)
+    layer.finish_steps()
+    return (outputs[0] if rows == 1 else torch.cat(outputs, dim=1)), None
+
+
+def h2o_mask(attention_mask: torch.Tensor | None = None, **kwargs):
+    """For an ``H2OCache`` the attention function only needs the 2D padding mask; otherwise the SDPA mask."""
+    if pop_mask_request():
+        return attention_mask
+    return sdpa_mask(attention_mask=attention_mask, **kwargs)
+
+
+def register_attention() -> str:
+    """Register the ``"h2o"`` attention and mask functions with transformers (idempotent)."""
+    AttentionInterface.register(ATTENTION_NAME, h2o_attention_forward)
+    AttentionMaskInterface.register(ATTENTION_NAME, h2o_mask)
+    return ATTENTION_NAME
