@@ -34,6 +34,7 @@ def attention_with_mass(
     query_valid: torch.Tensor | None = None,
     sliding_window: int | None = None,
     need_mass: bool = True,
+    window: int = 1,
     chunk_bytes: int = 64 * 2**20,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Causal attention of ``query`` over entries at arbitrary columns, with per-key probability mass.
@@ -44,7 +45,8 @@ def attention_with_mass(
     is valid and not in the row's future (and inside ``sliding_window``); a row always sees its own key.
 
     Returns ``(output [B, Q, Hq, Dv], mass [B, Hkv, N], last [B, Hkv, N])``: ``mass`` is the probability
-    summed over the group's query heads and all real rows, ``last`` the same for the last row only (float32).
+    summed over the group's query heads and all real rows, ``last`` the same over the last ``window`` rows only
+    (float32; TOVA uses the last row, SnapKV an observation window).
     """
     batch, q_heads, rows, dim = query.shape
     kv_heads, entries = keys.shape[1], keys.shape[2]
@@ -72,8 +74,9 @@ def attention_with_mass(
             if query_valid is not None:
                 probs = probs * query_valid[:, r0:r1].view(batch, 1, 1, -1, 1)
             mass += probs.sum(dim=(2, 3))
-            if r1 == rows:
-                last = probs[:, :, :, -1].sum(2)
+            if r1 > rows - window:
+                in_window = probs[:, :, :, max(0, rows - window - r0) :].sum(dim=(2, 3))
+                last = in_window if last is None else last + in_window
     output = output.reshape(batch, q_heads, rows, -1).transpose(1, 2).contiguous()
     return output, mass, last
 
@@ -99,13 +102,14 @@ def h2o_attention_forward(
     is_real = None if attention_mask is None else attention_mask[:, -rows:].to(torch.bool)
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     need_mass = layer.cache.policy.needs_attention
+    window = getattr(layer.cache.policy, "window", 1)
     pending = layer.pending
     if isinstance(pending, _Chunk):
         if is_real is not None:
             layer.mark_padding(is_real)
         output, mass, last = attention_with_mass(
             query, key, value, pending.pos, pending.valid, layer.seen - rows, scaling,
-            query_valid=is_real, sliding_window=sliding_window, need_mass=need_mass,
+            query_valid=is_real, sliding_window=sliding_window, need_mass=need_mass, window=window,
             chunk_bytes=layer.cache.prefill_chunk_bytes,
         )  # fmt: skip
         layer.commit(mass, last)
