@@ -1,0 +1,1 @@
+"""Quality evaluation on real data: perplexity, lm-eval tasks, XSUM, needle-in-a-haystack, sweeps and reports."""
