@@ -119,8 +119,11 @@ def reference_generate(model, input_ids, max_new_tokens, heavy, recent, policy="
     """Greedy decoding under the reference H2O, one token per forward after the prompt.
 
     ``turns``: further token lists appended (as one chunk each) after the previous turn's generation, like a
-    multi-turn chat on one cache. Returns (generated token ids per turn, logits per generated token).
+    multi-turn chat on one cache. End-of-sequence tokens are never chosen (as ``min_new_tokens`` does).
+    Returns (generated token ids per turn, raw logits per generated token).
     """
+    eos = model.generation_config.eos_token_id
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
     global STATE
     STATE = ReferenceState(heavy, recent, policy)
     previous = model.config._attn_implementation
@@ -136,7 +139,9 @@ def reference_generate(model, input_ids, max_new_tokens, heavy, recent, policy="
             for _ in range(max_new_tokens):
                 logits = model(chunk, past_key_values=cache, use_cache=True).logits[:, -1]
                 all_logits.append(logits[0])
-                chunk = logits.argmax(-1, keepdim=True)
+                chunk = logits.index_fill(-1, torch.tensor(eos, dtype=torch.long), float("-inf")).argmax(
+                    -1, keepdim=True
+                )
                 tokens.append(int(chunk))
             generated.append(tokens)
         return generated, torch.stack(all_logits)
