@@ -7,6 +7,7 @@ once and cached as an ordinary ``save_pretrained`` directory (see :func:`default
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -22,6 +23,7 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerFast,
 )
+from transformers.utils import logging as hf_logging
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "opt", "gpt_neox")
@@ -118,12 +120,25 @@ def load_model(
     else:
         path = _resolve_local(name_or_path)
     check_supported(AutoConfig.from_pretrained(path, local_files_only=True))
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    with _quiet_loading():
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     model.to(device).eval()
     tokenizer = None
     if any((path / name).is_file() for name in _TOKENIZER_FILES):
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     return enable_h2o(model), tokenizer
+
+
+@contextlib.contextmanager
+def _quiet_loading():
+    """Hide transformers' per-tensor "Loading weights" progress bar (a cached load takes about a second)."""
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
 
 
 def _resolve_device(device) -> torch.device:
