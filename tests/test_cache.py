@@ -173,12 +173,16 @@ def test_budget_ratio_uses_longest_prompt(tiny):
     assert cache.stats()["kv_tokens"] == 20
 
 
-def test_without_h2o_attention_the_cache_refuses(tiny_models):
+def test_without_h2o_attention_the_cache_refuses(tiny, tiny_models):
     from transformers import AutoModelForCausalLM
 
     plain = AutoModelForCausalLM.from_pretrained(tiny_models["llama"], attn_implementation="sdpa")
     with pytest.raises(RuntimeError, match="enable_h2o"):
         plain(prompt(20), past_key_values=H2OCache(heavy=4, recent=4))
+    # the failed forward leaves nothing behind: the next cache in this thread works
+    expected, _ = reference_generate(tiny["llama"], prompt(30), 6, heavy=4, recent=4)
+    tokens, _ = library_generate(tiny["llama"], prompt(30), H2OCache(heavy=4, recent=4), 6)
+    assert tokens[0].tolist() == expected[0]
 
 
 @pytest.mark.parametrize(

@@ -90,6 +90,7 @@ class H2OLayer(CacheLayerMixin):
         self.valid = torch.zeros((batch, heads, 0), dtype=torch.bool, device=self.device)
         self.scores = torch.zeros((batch, heads, 0), dtype=torch.float32, device=self.device)
         self.start = torch.full((batch,), NO_START, dtype=torch.long, device=self.device)
+        self._all_started = False
         self.is_initialized = True
 
     @property
@@ -129,7 +130,12 @@ class H2OLayer(CacheLayerMixin):
         """
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if self._pending is not None:
+        stale = pop_active_layer()
+        if stale is not None and stale.cache is not self.cache:
+            stale._pending = None  # left by another cache's forward that raised: not ours to report
+        elif self._pending is not None or stale is not None:
+            for layer in self.cache.layers:
+                layer._pending = None
             raise RuntimeError(
                 "H2OCache was updated twice without its attention function running: the model's attention "
                 "implementation must be 'h2o'. Call h2o_kv.enable_h2o(model) (h2o_kv.load_model does it)."
@@ -154,18 +160,18 @@ class H2OLayer(CacheLayerMixin):
 
     def write_step(self, key: torch.Tensor, value: torch.Tensor, is_real: torch.Tensor | None) -> None:
         """Write one token (``[batch, heads, 1, dim]``) into a free slot of every (sequence, head), in place."""
-        if int(self.entry_count().max()) >= self.slots:
+        # (a buffer already at max_slots cannot grow: skip the count, a sync, on the bounded hot path)
+        if self.slots < self.max_slots and int(self.entry_count().max()) >= self.slots:
             self._resize(int(min(self.max_slots, self.slots + max(16, self.slots // 4))))
-        free = (~self.valid).byte().argmax(-1, keepdim=True)  # [batch, heads, 1]
+        free = self.valid.byte().argmin(-1, keepdim=True)  # [batch, heads, 1]: the first free slot
         for buffer, new in ((self.keys, key), (self.values, value)):
             buffer.scatter_(2, free.unsqueeze(-1).expand(-1, -1, -1, new.shape[-1]), new)
         self.pos.scatter_(2, free, self.seen)
         real = True if is_real is None else is_real[:, None, None].expand(-1, self.valid.shape[1], 1)
         self.valid.scatter_(2, free, real)
         self.scores.scatter_(2, free, 0.0)
-        if is_real is None:
-            is_real = self.valid.new_ones(self.valid.shape[0])
-        self._note_start(is_real[:, None])
+        if not self._all_started:
+            self._note_start(self.valid.new_ones(self.valid.shape[0])[:, None] if is_real is None else is_real[:, None])
         self.seen += 1
 
     def get_mask_sizes(self, cache_position) -> tuple[int, int]:
@@ -214,6 +220,7 @@ class H2OLayer(CacheLayerMixin):
         """Remember the column of each sequence's first real token (``is_real``: ``[batch, chunk]``)."""
         first = self.seen + is_real.byte().argmax(-1)
         self.start = torch.where((self.start == NO_START) & is_real.any(-1), first, self.start)
+        self._all_started = bool((self.start != NO_START).all())  # then write_step can skip this
 
     def commit(self, mass: torch.Tensor | None, last: torch.Tensor | None) -> None:
         """Fold the attention of the chunk (or of the step just written) into the scores, then evict."""
@@ -224,7 +231,8 @@ class H2OLayer(CacheLayerMixin):
             self._keep_best(chunk, policy)
         else:
             self.scores = policy.accumulate(self.scores, mass, last)
-            self.peak_entries = max(self.peak_entries, int(self.entry_count().max()))
+            if self.peak_entries < self.slots:  # entries never exceed the slots: skip the count once reached
+                self.peak_entries = max(self.peak_entries, int(self.entry_count().max()))
             if policy.evicts_during_decode:
                 self._evict_one(policy)
 
@@ -240,7 +248,7 @@ class H2OLayer(CacheLayerMixin):
         if not bool(over.any()):
             return
         rank = policy.keep_score(self._view(self.pos, self.valid, self.scores))
-        victim = rank.masked_fill(~self.valid, math.inf).argmin(-1, keepdim=True)
+        victim = torch.where(self.valid, rank, math.inf).argmin(-1, keepdim=True)
         still_valid = self.valid.gather(2, victim) & ~over.unsqueeze(-1)
         self.valid.scatter_(2, victim, still_valid)
 
@@ -282,6 +290,10 @@ class H2OCache(Cache):
             MLPs run over the whole chunk; only the cheap slot bookkeeping is sequential). This is the paper's
             streaming protocol and the fast exact path for teacher-forced evaluation. Can be switched between
             calls, e.g. one-shot prompt compression followed by stepwise scoring of a continuation.
+        streaming: position rolling (H2O paper's streaming variant, StreamingLLM arXiv:2309.17453): keys are
+            stored before RoPE and re-rotated at their rank inside the cache at every step, so the model never
+            sees a position beyond ``heavy + recent`` however long the stream (see :mod:`h2o_kv.rotary`).
+            Needs a RoPE model and a bounded policy; feed long texts with ``stepwise=True``.
 
     The model's attention implementation must be ``"h2o"``: ``h2o_kv.load_model`` sets it, and
     ``h2o_kv.enable_h2o(model)`` does it for a model loaded with plain ``transformers``.
@@ -296,10 +308,14 @@ class H2OCache(Cache):
         policy: str | Policy = "h2o",
         prefill_chunk_mb: float = 64.0,
         stepwise: bool = False,
+        streaming: bool = False,
         **policy_options,
     ):
         super().__init__(layers=[])
         self.stepwise = stepwise
+        self.streaming = bool(streaming)  # streaming mode (h2o_kv.rotary)
+        if streaming and (policy == "full" or getattr(policy, "name", None) == "full"):
+            raise ValueError("streaming=True needs a bounded policy (h2o, sink, local, ...), not 'full'")
         if not prefill_chunk_mb > 0:
             raise ValueError(f"prefill_chunk_mb must be > 0, got {prefill_chunk_mb}")
         self.prefill_chunk_bytes = int(prefill_chunk_mb * 2**20)
@@ -353,7 +369,19 @@ class H2OCache(Cache):
             self.layers.append(H2OLayer(self))
         if layer_idx == 0 and self.layers[0].seen == 0:
             self._resolve(key_states.shape[2])
+        if self.streaming:  # streaming mode: store keys before RoPE (h2o_kv.rotary)
+            key_states = self._unrotate_keys(key_states, layer_idx, cache_kwargs)
         return self.layers[layer_idx].update(key_states, value_states, cache_kwargs)
+
+    def _unrotate_keys(self, key_states, layer_idx: int, cache_kwargs: dict[str, Any] | None):
+        """Streaming mode: undo the RoPE the attention module applied; keep cos/sin for the query."""
+        from .rotary import _NO_ROPE_MESSAGE, raw_keys
+
+        if not cache_kwargs or cache_kwargs.get("cos") is None or cache_kwargs.get("sin") is None:
+            raise ValueError(_NO_ROPE_MESSAGE.format(what="passes no rotary cos/sin to the cache"))
+        cos, sin = cache_kwargs["cos"], cache_kwargs["sin"]
+        self.layers[layer_idx].rope = (cos, sin)
+        return raw_keys(key_states, cos, sin)
 
     def get_mask_sizes(self, cache_position, layer_idx: int) -> tuple[int, int]:
         _HANDOFF.mask = True

@@ -139,6 +139,20 @@ def generate(
     print(("\n" if not quiet else "") + summary, file=sys.stdout)
 
 
+def _mount() -> None:
+    """Mount the command groups that live next to what they drive: eval, bench, chat."""
+    from .bench.cli import app as bench_app
+    from .chat import app as chat_app
+    from .eval.cli import app as eval_app
+
+    app.add_typer(eval_app, name="eval")
+    app.add_typer(bench_app, name="bench")
+    app.add_typer(chat_app, name="chat")
+
+
+_mount()
+
+
 def main():  # pragma: no cover - console entry point
     app()
 

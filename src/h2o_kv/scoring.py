@@ -18,6 +18,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .cache import _Chunk, pop_active_layer, pop_mask_request
+from .rotary import PositionRoller
 
 ATTENTION_NAME = "h2o"
 
@@ -36,6 +37,7 @@ def attention_with_mass(
     need_mass: bool = True,
     window: int = 1,
     chunk_bytes: int = 64 * 2**20,
+    chunk_start: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Causal attention of ``query`` over entries at arbitrary columns, with per-key probability mass.
 
@@ -43,6 +45,8 @@ def attention_with_mass(
     [B, Hkv, N, D]``, ``key_pos/key_valid [B, Hkv, N]``, ``query_valid [B, Q]`` (False rows are padding and
     add no mass). Query head ``j`` reads KV head ``j // (Hq // Hkv)`` (GQA). A key is visible to a row when it
     is valid and not in the row's future (and inside ``sliding_window``); a row always sees its own key.
+    ``chunk_start``: when the entries end with the query rows' own keys (entry ``chunk_start + i`` is row ``i``'s),
+    each block of rows only reads the entries it can see, which halves the work of a causal prompt.
 
     Returns ``(output [B, Q, Hq, Dv], mass [B, Hkv, N], last [B, Hkv, N])``: ``mass`` is the probability
     summed over the group's query heads and all real rows, ``last`` the same over the last ``window`` rows only
@@ -51,34 +55,43 @@ def attention_with_mass(
     batch, q_heads, rows, dim = query.shape
     kv_heads, entries = keys.shape[1], keys.shape[2]
     group = q_heads // kv_heads
-    grouped = query.reshape(batch, kv_heads, group, rows, dim)
+    grouped = (query * scaling).reshape(batch, kv_heads, group, rows, dim)  # scale the small side once
     keys_t = keys.transpose(2, 3)
     output = query.new_empty((batch, kv_heads, group, rows, values.shape[-1]))
-    mass = torch.zeros((batch, kv_heads, entries), dtype=torch.float32, device=query.device) if need_mass else None
-    last = None
+    mass = last = None
     step = max(1, chunk_bytes // (8 * batch * q_heads * entries))
-    pos = key_pos.unsqueeze(2)  # [B, Hkv, 1, N]
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
+        seen = entries if chunk_start is None else chunk_start + r1  # the entries this block can see
+        pos = key_pos[:, :, None, :seen]  # [B, Hkv, 1, seen]
         columns = torch.arange(first_column + r0, first_column + r1, device=query.device).view(1, 1, -1, 1)
-        visible = (key_valid.unsqueeze(2) & (pos <= columns)) | (pos == columns)  # [B, Hkv, rows, N]
+        visible = (key_valid[:, :, None, :seen] & (pos <= columns)) | (pos == columns)  # [B, Hkv, rows, seen]
         if sliding_window is not None:
             visible &= pos > columns - sliding_window
         q = grouped[:, :, :, r0:r1].reshape(batch, kv_heads, group * (r1 - r0), dim)
-        logits = torch.matmul(q, keys_t).view(batch, kv_heads, group, r1 - r0, entries) * scaling
-        logits = logits.masked_fill(~visible.unsqueeze(2), float("-inf"))
+        logits = torch.matmul(q, keys_t[..., :seen]).view(batch, kv_heads, group, r1 - r0, seen)
+        logits.masked_fill_(~visible.unsqueeze(2), float("-inf"))
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        out = torch.matmul(probs.to(values.dtype).view(batch, kv_heads, -1, entries), values)
+        out = torch.matmul(probs.to(values.dtype).view(batch, kv_heads, -1, seen), values[:, :, :seen])
         output[:, :, :, r0:r1] = out.view(batch, kv_heads, group, r1 - r0, -1)
         if need_mass:
             if query_valid is not None:
                 probs = probs * query_valid[:, r0:r1].view(batch, 1, 1, -1, 1)
-            mass += probs.sum(dim=(2, 3))
-            if r1 > rows - window:
-                in_window = probs[:, :, :, max(0, rows - window - r0) :].sum(dim=(2, 3))
-                last = in_window if last is None else last + in_window
+            chunk_mass = probs.sum(dim=(2, 3))
+            mass = _accumulate(mass, chunk_mass, entries)
+            if r1 > rows - window:  # a block inside the window (e.g. a decode step) reuses its sum
+                in_window = chunk_mass if r0 >= rows - window else probs[:, :, :, rows - window - r0 :].sum(dim=(2, 3))
+                last = _accumulate(last, in_window, entries)
     output = output.reshape(batch, q_heads, rows, -1).transpose(1, 2).contiguous()
     return output, mass, last
+
+
+def _accumulate(total: torch.Tensor | None, part: torch.Tensor, entries: int) -> torch.Tensor:
+    """``total + part`` where ``part`` covers the first ``part.shape[-1]`` of ``entries`` entries."""
+    if total is None:
+        return part if part.shape[-1] == entries else torch.nn.functional.pad(part, (0, entries - part.shape[-1]))
+    total[..., : part.shape[-1]] += part
+    return total
 
 
 def h2o_attention_forward(
@@ -104,13 +117,18 @@ def h2o_attention_forward(
     need_mass = layer.cache.policy.needs_attention
     window = getattr(layer.cache.policy, "window", 1)
     pending = layer.pending
+    roll = PositionRoller(module, layer, query, is_real) if layer.cache.streaming else None  # streaming (h2o_kv.rotary)
+    if roll is not None:
+        sliding_window = roll.sliding_window(sliding_window)
     if isinstance(pending, _Chunk):
         if is_real is not None:
             layer.mark_padding(is_real)
+        if roll is not None:  # streaming: queries and keys at their positions inside the cache
+            query, key = roll.chunk(pending.keys, pending.pos, pending.valid, layer.seen - rows)
         output, mass, last = attention_with_mass(
             query, key, value, pending.pos, pending.valid, layer.seen - rows, scaling,
             query_valid=is_real, sliding_window=sliding_window, need_mass=need_mass, window=window,
-            chunk_bytes=layer.cache.prefill_chunk_bytes,
+            chunk_bytes=layer.cache.prefill_chunk_bytes, chunk_start=pending.keys.shape[2] - rows,
         )  # fmt: skip
         layer.commit(mass, last)
         return output, None
@@ -118,8 +136,9 @@ def h2o_attention_forward(
     for i in range(rows):  # decode step(s): write, attend over the slots, score, evict
         real = None if is_real is None else is_real[:, i]
         layer.write_step(pending.keys[:, :, i : i + 1], pending.values[:, :, i : i + 1], real)
+        step_query, step_keys = (query[:, :, i : i + 1], layer.keys) if roll is None else roll.step(i, layer)
         output, mass, last = attention_with_mass(
-            query[:, :, i : i + 1], layer.keys, layer.values, layer.pos, layer.valid, layer.seen - 1, scaling,
+            step_query, step_keys, layer.values, layer.pos, layer.valid, layer.seen - 1, scaling,
             sliding_window=sliding_window, need_mass=need_mass,
         )  # fmt: skip
         layer.commit(mass, last)

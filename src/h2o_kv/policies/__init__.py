@@ -4,9 +4,12 @@ from .base import EntryView, Policy
 from .full import Full
 from .h2o import H2O
 from .local import Local
+from .random import Random
 from .sink import Sink
+from .snapkv import SnapKV
+from .tova import TOVA
 
-POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (H2O, Local, Sink, Full)}
+POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (H2O, Local, Sink, Full, TOVA, SnapKV, Random)}
 
 
 def make_policy(name: str, heavy: int, recent: int, **options) -> Policy:
@@ -18,4 +21,16 @@ def make_policy(name: str, heavy: int, recent: int, **options) -> Policy:
     return cls(heavy=heavy, recent=recent, **options)
 
 
-__all__ = ["POLICIES", "EntryView", "Full", "H2O", "Local", "Policy", "Sink", "make_policy"]
+__all__ = [
+    "POLICIES",
+    "EntryView",
+    "Full",
+    "H2O",
+    "Local",
+    "Policy",
+    "Random",
+    "Sink",
+    "SnapKV",
+    "TOVA",
+    "make_policy",
+]

@@ -1,0 +1,126 @@
+"""Where a decode step of an :class:`~h2o_kv.H2OCache` spends its time.
+
+The step is split with wall-clock timers around the cache's entry points (the model is run unchanged):
+
+* slot write: :meth:`H2OLayer.write_step` (free-slot search, key/value/position/score writes);
+* score update: the policy's ``accumulate`` inside :meth:`H2OLayer.commit`, plus the per-key mass reduction in the
+  attention function (measured as the difference between attention with and without ``need_mass`` on the same
+  cache state);
+* victim choice: :meth:`H2OLayer._evict_one` (rank, argmin, free the slot);
+* attention: :func:`h2o_kv.scoring.attention_with_mass` without the mass reduction;
+* the rest: projections, MLPs, norms, RoPE, the LM head and Python overhead.
+
+Eviction bookkeeping = slot write + score update + victim choice. A ``torch.profiler`` table of the hottest
+operators over the same steps is returned as well.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+from collections import Counter
+
+import torch
+
+from .harness import BenchConfig, _prefill, _Run
+from .workload import LoadedModel, make_prompts
+
+
+@contextlib.contextmanager
+def _timers(totals: Counter, *, mass_free_attention: bool = False):
+    from h2o_kv import cache as cache_mod
+    from h2o_kv import scoring
+
+    originals = {
+        (cache_mod.H2OLayer, "write_step"): cache_mod.H2OLayer.write_step,
+        (cache_mod.H2OLayer, "commit"): cache_mod.H2OLayer.commit,
+        (cache_mod.H2OLayer, "_evict_one"): cache_mod.H2OLayer._evict_one,
+        (scoring, "attention_with_mass"): scoring.attention_with_mass,
+    }
+
+    def timed(label, fn):
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            totals[label] += time.perf_counter() - t0
+            return out
+
+        return wrapper
+
+    attention = originals[(scoring, "attention_with_mass")]
+
+    def attention_without_mass_timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        attention(*args, **{**kwargs, "need_mass": False})
+        totals["attention"] += time.perf_counter() - t0
+        return attention(*args, **kwargs)  # the real call, untimed, so the cache evolves exactly as usual
+
+    cache_mod.H2OLayer.write_step = timed("write_step", originals[(cache_mod.H2OLayer, "write_step")])
+    cache_mod.H2OLayer.commit = timed("commit", originals[(cache_mod.H2OLayer, "commit")])
+    cache_mod.H2OLayer._evict_one = timed("evict_one", originals[(cache_mod.H2OLayer, "_evict_one")])
+    scoring.attention_with_mass = attention_without_mass_timed if mass_free_attention else timed("attention", attention)
+    try:
+        yield
+    finally:
+        for (owner, name), fn in originals.items():
+            setattr(owner, name, fn)
+
+
+@torch.no_grad()
+def _steps(lm: LoadedModel, cache, first, start: int, steps: int) -> float:
+    ids, total = first, 0.0
+    for i in range(steps):
+        position = torch.full((ids.shape[0], 1), start + i, dtype=torch.long, device=lm.device)
+        t0 = time.perf_counter()
+        ids = lm.model(input_ids=ids, past_key_values=cache, position_ids=position).logits[:, -1:].argmax(-1)
+        if lm.device.type == "cuda":
+            torch.cuda.synchronize(lm.device)
+        total += time.perf_counter() - t0
+    return total
+
+
+def profile_decode(lm: LoadedModel, cfg: BenchConfig, steps: int = 24, warmup_steps: int = 4) -> dict:
+    """Split the decode step of ``cfg`` (an h2o-kv policy) into attention, bookkeeping and the rest."""
+    if cfg.policy == "full" or cfg.policy.startswith("kvpress:"):
+        raise ValueError("profile splits the decode step of an h2o-kv policy (h2o, local, sink, ...)")
+    prompts = make_prompts(lm.tokenizer, cfg.batch, cfg.context, vocab_size=lm.model.config.vocab_size)
+    cache, first = _prefill(_Run(lm, cfg, cfg.context), prompts.to(lm.device))
+    _steps(lm, cache, first, cfg.context, warmup_steps)
+    start = cfg.context + warmup_steps
+    snapshot = copy.deepcopy(cache)
+
+    plain = Counter()
+    with _timers(plain):
+        step_total = _steps(lm, cache, first, start, steps)
+    no_mass = Counter()
+    with _timers(no_mass, mass_free_attention=True):
+        _steps(lm, copy.deepcopy(snapshot), first, start, steps)
+
+    mass_reduction = max(0.0, plain["attention"] - no_mass["attention"])
+    accumulate = plain["commit"] - plain["evict_one"]
+    parts = {
+        "slot_write": plain["write_step"],
+        "score_update": accumulate + mass_reduction,
+        "victim_choice": plain["evict_one"],
+        "attention_without_mass": plain["attention"] - mass_reduction,
+    }
+    parts["rest"] = step_total - sum(parts.values())
+    per_step_ms = {k: 1000 * v / steps for k, v in parts.items()}
+    bookkeeping = parts["slot_write"] + parts["score_update"] + parts["victim_choice"]
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        _steps(lm, copy.deepcopy(snapshot), first, start, 4)
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20)
+    return {
+        "config": cfg.to_dict(),
+        "budget_entries": cfg.heavy + cfg.recent if cfg.heavy is not None else None,
+        "steps": steps,
+        "step_ms": 1000 * step_total / steps,
+        "split_ms": per_step_ms,
+        "split_percent": {k: 100 * v / step_total for k, v in parts.items()},
+        "bookkeeping_percent": 100 * bookkeeping / step_total,
+        "profiler_table": table,
+    }

@@ -1,0 +1,183 @@
+"""Summaries of benchmark results: medians over repeats, ratios against ``full``, a markdown table, the plot,
+and the bytes-moved model of a decode step.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import statistics
+from collections import defaultdict
+
+MiB = 2**20
+METRICS = (
+    "prefill_s", "decode_tok_s", "step_ms_p50", "step_ms_p99", "e2e_tok_s", "prefill_peak_bytes",
+    "prefill_peak_increase_bytes", "decode_peak_increase_bytes", "kv_bytes_end", "cache_bytes_end",
+    "cache_bytes_peak", "decode_cpu_util",
+)  # fmt: skip
+
+
+def load(path: str | pathlib.Path) -> dict:
+    return json.loads(pathlib.Path(path).read_text())
+
+
+def summarise(records: list[dict]) -> list[dict]:
+    """One row per configuration key: the median of every metric over its repeats (probe runs left out)."""
+    groups: dict[str, list[dict]] = defaultdict(list)
+    for r in records:
+        if r["config"].get("tag") != "probe":
+            groups[r["key"]].append(r)
+    rows = []
+    for key, runs in groups.items():
+        row = {"key": key, "config": runs[0]["config"], "repeats": len(runs)}
+        for name in METRICS:
+            values = [r[name] for r in runs if r.get(name) is not None]
+            row[name] = statistics.median(values) if values else None
+        for name in ("fit_batch", "memory_limit_bytes", "fits", "footprint_per_seq_bytes", "weight_bytes",
+                     "kept_after_prefill", "random_init", "model", "device", "dtype", "seq_length_end",
+                     "code_sha1", "prompt_sha1"):  # fmt: skip
+            if name in runs[0]:
+                row[name] = runs[0][name]
+        if "fits" in runs[0]:
+            row["fits"] = all(r.get("fits", False) for r in runs)
+        rows.append(row)
+    _add_ratios(rows)
+    return rows
+
+
+def _add_ratios(rows: list[dict]) -> None:
+    """Ratios against ``full`` at the same prompt length, batch and new tokens (and for fitted runs, against
+    ``full`` at the batch that defined the limit)."""
+    full = {}
+    for row in rows:
+        c = row["config"]
+        if c["policy"] == "full":
+            full[(c["context"], c["batch"], c["new_tokens"])] = row
+    for row in rows:
+        c = row["config"]
+        ref = full.get((c["context"], c["batch"], c["new_tokens"]))
+        if c.get("tag") == "fit":
+            same_limit = [
+                f for (ctx, _, new), f in full.items()
+                if ctx == c["context"] and new == c["new_tokens"] and f["cache_bytes_peak"] == row["memory_limit_bytes"]
+            ]  # fmt: skip
+            ref = same_limit[0] if same_limit else None
+        if ref is None or ref is row:
+            continue
+        row["vs_full"] = ref["key"]
+        row["decode_speedup"] = _ratio(row["decode_tok_s"], ref["decode_tok_s"])
+        row["e2e_speedup"] = _ratio(row["e2e_tok_s"], ref["e2e_tok_s"])
+        row["kv_ratio"] = _ratio(row["kv_bytes_end"], ref["kv_bytes_end"])
+        row["prefill_time_ratio"] = _ratio(row["prefill_s"], ref["prefill_s"])
+        row["prefill_peak_ratio"] = _ratio(row["prefill_peak_increase_bytes"], ref["prefill_peak_increase_bytes"])
+        row["prefill_peak_abs_ratio"] = _ratio(row["prefill_peak_bytes"], ref["prefill_peak_bytes"])
+
+
+def _ratio(a, b):
+    return a / b if a is not None and b else None
+
+
+def _fmt(value, spec: str = ".2f", scale: float = 1.0) -> str:
+    return "-" if value is None else format(value / scale, spec)
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """The results as a markdown table (sorted by prompt length, batch, policy)."""
+    head = (
+        "| policy | prompt | batch | new | prefill s | decode tok/s | p50 / p99 ms | e2e tok/s | prefill peak +MiB "
+        "| decode peak +MiB | cache MiB | vs full: decode | e2e | KV | prefill time | prefill peak |\n"
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+    )
+    lines = []
+    for row in sorted(rows, key=_sort_key):
+        c = row["config"]
+        name = c["policy"] + (" (fit)" if c.get("tag") == "fit" else "")
+        batch = f"{c['batch']}" + (f" (prefill {c['prefill_batch']}, repeated)" if c.get("prefill_batch") else "")
+        lines.append(
+            f"| {name} | {c['context']} | {batch} | {c['new_tokens']} | {_fmt(row['prefill_s'], '.1f')} "
+            f"| {_fmt(row['decode_tok_s'])} | {_fmt(row['step_ms_p50'], '.0f')} / {_fmt(row['step_ms_p99'], '.0f')} "
+            f"| {_fmt(row['e2e_tok_s'])} | {_fmt(row['prefill_peak_increase_bytes'], '.0f', MiB)} "
+            f"| {_fmt(row['decode_peak_increase_bytes'], '.0f', MiB)} | {_fmt(row['cache_bytes_end'], '.0f', MiB)} "
+            f"| {_fmt(row.get('decode_speedup'))}x | {_fmt(row.get('e2e_speedup'))}x "
+            f"| {_fmt(row.get('kv_ratio'), '.3f')} "
+            f"| {_fmt(row.get('prefill_time_ratio'))} | {_fmt(row.get('prefill_peak_ratio'))} |"
+        )
+    return head + "\n".join(lines) + "\n"
+
+
+def _sort_key(row):
+    c = row["config"]
+    order = {"full": 0, "h2o": 1, "local": 2, "sink": 3}
+    return (c["new_tokens"], c["context"], c.get("tag") == "fit", c["batch"], order.get(c["policy"], 9), c["policy"])
+
+
+def bytes_model(rows: list[dict]) -> list[dict]:
+    """Bytes moved per decode step, full vs each other policy, and how close the measured speed-up comes.
+
+    ``ideal``: weights + one read of the KV entries attended. ``stock``: the stock ``DynamicCache`` also copies its
+    whole cache every step (``torch.cat``: one more read and one write), so full moves weights + 3 x KV.
+    Entries are averaged over the decode: ``L + new/2`` for full and for kvpress (its compressed cache grows again
+    by one entry per step), ``kept + 1`` for a bounded h2o-kv cache. KV bytes per entry come from the full run.
+    """
+    by_key = {r["key"]: r for r in rows}
+    out = []
+    for row in rows:
+        c = row["config"]
+        ref = by_key.get(row.get("vs_full"))
+        if row.get("decode_speedup") is None or c.get("tag") == "fit" or ref is None or not row.get("weight_bytes"):
+            continue
+        per_entry = ref["kv_bytes_end"] / (c["batch"] * ref["seq_length_end"])
+        weights = row["weight_bytes"]
+        tokens_full = c["context"] + c["new_tokens"] / 2
+        kept = row.get("kept_after_prefill") or c["context"]
+        tokens_pol = kept + c["new_tokens"] / 2 if c["policy"].startswith("kvpress:") else kept + 1
+        kv_full, kv_pol = c["batch"] * tokens_full * per_entry, c["batch"] * tokens_pol * per_entry
+        ideal = (weights + kv_full) / (weights + kv_pol)
+        stock = (weights + 3 * kv_full) / (weights + kv_pol)
+        p50 = ref["step_ms_p50"] / row["step_ms_p50"] if row.get("step_ms_p50") else None
+        out.append({
+            "key": row["key"], "policy": c["policy"], "context": c["context"], "batch": c["batch"],
+            "bytes_full_ideal": weights + kv_full, "bytes_full_stock": weights + 3 * kv_full,
+            "bytes_policy": weights + kv_pol, "ratio_ideal": ideal, "ratio_stock": stock,
+            "measured": row["decode_speedup"], "measured_p50": p50, "fraction_of_ideal": row["decode_speedup"] / ideal,
+        })  # fmt: skip
+    return out
+
+
+def plot(rows: list[dict], path: str | pathlib.Path, *, batch: int | None = None, title: str = "") -> pathlib.Path:
+    """Decode tokens/s and memory (prefill peak increase, cache bytes) against prompt length, per policy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if r["config"].get("tag") not in ("fit", "probe") and not r["config"].get("prefill_batch")]
+    if batch is None and rows:
+        batch = statistics.mode(r["config"]["batch"] for r in rows)
+    rows = [r for r in rows if r["config"]["batch"] == batch]
+    by_policy: dict[str, list[dict]] = defaultdict(list)
+    for r in rows:
+        by_policy[r["config"]["policy"]].append(r)
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    panels = (
+        ("decode_tok_s", 1.0, "decode tokens/s"),
+        ("prefill_peak_increase_bytes", MiB, "peak RSS increase during prefill (MiB)"),
+        ("cache_bytes_end", MiB, "KV cache at the end (MiB)"),
+    )
+    for ax, (metric, scale, label) in zip(axes, panels, strict=True):
+        for policy, items in sorted(by_policy.items()):
+            items = sorted((r for r in items if r.get(metric) is not None), key=lambda r: r["config"]["context"])
+            if items:
+                ax.plot([r["config"]["context"] for r in items], [r[metric] / scale for r in items], "o-", label=policy)
+        ax.set_xlabel("prompt length (tokens)")
+        ax.set_ylabel(label)
+        ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.suptitle(title or f"batch {batch}")
+    fig.tight_layout()
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,404 @@
+"""Multi-turn generation on one bounded cache, and the ``h2o-kv chat`` terminal chat.
+
+* :func:`continue_generation` - ``model.generate`` for the *new* tokens of a turn on a cache that already holds
+  the conversation (Hugging Face's ``generate`` otherwise expects the full token history as ``input_ids``).
+* :class:`ChatSession` - a conversation on one :class:`~h2o_kv.H2OCache` kept across turns: the model's chat
+  template is applied turn by turn, so only each new turn is fed. With ``streaming=True`` (the default) keys are
+  re-rotated at their place inside the cache (:mod:`h2o_kv.rotary`), so a conversation of any length runs in
+  bounded memory and never leaves the model's trained positions (StreamingLLM, arXiv:2309.17453; the H2O paper's
+  streaming variant, arXiv:2306.14048).
+* ``app`` - the typer command ``h2o-kv chat`` (also ``python -m h2o_kv.chat``): status line per turn, ``/reset``,
+  ``/stats``, ``/quit``; works with piped stdin; Ctrl-C stops the current reply, not the session.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+import warnings
+from typing import Any, TextIO
+
+import torch
+import typer
+
+from .cache import H2OCache
+from .policies import POLICIES
+
+_BUDGET_WARNING = "H2OCache budget heavy \\+ recent"
+_SENTINEL_USER, _SENTINEL_REPLY = "\x00h2o-user\x00", "\x00h2o-reply\x00"
+
+
+def continue_generation(model, cache, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs):
+    """``model.generate`` for ``input_ids`` (the new tokens only) after the tokens already held by ``cache``.
+
+    Hugging Face's ``generate`` treats ``input_ids`` as the whole history and skips the part the cache has seen,
+    so a turn's tokens alone would be dropped. This passes the cache position of the new tokens explicitly.
+
+    Args:
+        model: a model prepared with :func:`h2o_kv.enable_h2o` (``h2o_kv.load_model`` does it).
+        cache: the :class:`~h2o_kv.H2OCache` (or any HF cache) of the conversation so far; may be empty.
+        input_ids: ``[batch, n]`` new tokens, ``n >= 1``: everything the cache has not seen, which includes the
+            previous reply's last token (``generate`` returns it but never feeds it through the model).
+        attention_mask: ``[batch, n]`` for the new tokens (left padding), or ``[batch, seen + n]`` covering the
+            whole history. Only needed for padded batches. With a non-streaming cache the positions of the new
+            tokens are ``seen + i`` (for padded earlier turns, pass the full history mask to keep them exact);
+            a streaming cache ignores absolute positions altogether.
+        **kwargs: anything ``model.generate`` accepts (``max_new_tokens``, ``do_sample``, ``streamer``, ...).
+
+    Returns:
+        What ``model.generate`` returns: ``sequences`` are ``input_ids`` followed by the generated tokens.
+    """
+    if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+        raise ValueError(f"input_ids must be [batch, n] with n >= 1 new tokens, got shape {tuple(input_ids.shape)}")
+    batch, new = input_ids.shape
+    seen = cache.get_seq_length() if cache is not None else 0
+    if "past_key_values" in kwargs or "cache_position" in kwargs:
+        raise ValueError("continue_generation sets past_key_values and cache_position itself")
+    if attention_mask is not None and attention_mask.shape[1] not in (new, seen + new):
+        raise ValueError(
+            f"attention_mask must cover the {new} new tokens or the whole history ({seen + new}), "
+            f"got length {attention_mask.shape[1]}"
+        )
+    device = input_ids.device
+    if attention_mask is None:
+        attention_mask = torch.ones((batch, new), dtype=torch.long, device=device)
+    if seen == 0:
+        return model.generate(input_ids, attention_mask=attention_mask, past_key_values=cache, **kwargs)
+    if getattr(cache, "streaming", False):
+        attention_mask = attention_mask[:, -new:]  # positions are re-derived inside the cache
+    elif attention_mask.shape[1] == new:  # absolute positions: seen + i
+        attention_mask = torch.cat([attention_mask.new_ones((batch, seen)), attention_mask], dim=1)
+    cache_position = torch.arange(seen, seen + new, device=device)
+    return model.generate(
+        input_ids, attention_mask=attention_mask, past_key_values=cache, cache_position=cache_position, **kwargs
+    )
+
+
+class _Interrupt:
+    """A flag set by Ctrl-C while a reply is generated; read by :class:`_StopOnFlag` after every token."""
+
+    def __init__(self):
+        self.event = threading.Event()
+
+    def __enter__(self):
+        self.event.clear()
+        self._previous = None
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, lambda *_: self.event.set())
+        return self
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+        return False
+
+
+class _StopOnFlag:
+    """A ``StoppingCriteria`` that ends generation once ``event`` is set."""
+
+    def __init__(self, event: threading.Event):
+        self.event = event
+
+    def __call__(self, input_ids, scores, **kwargs) -> torch.BoolTensor:
+        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
+
+
+class _PrintStreamer:
+    """Writes the reply to ``out`` as it is generated (skips the prompt, decodes on word boundaries)."""
+
+    def __init__(self, tokenizer, out: TextIO):
+        self.tokenizer, self.out = tokenizer, out
+        self.ids: list[int] = []
+        self.printed = 0
+        self.skip_prompt = True
+
+    def put(self, value: torch.Tensor) -> None:
+        if self.skip_prompt:
+            self.skip_prompt = False
+            return
+        self.ids.extend(value.reshape(-1).tolist())
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the next token
+            return
+        self.out.write(text[self.printed :])
+        self.out.flush()
+        self.printed = len(text)
+
+    def end(self) -> None:
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        self.out.write(text[self.printed :])
+        self.out.flush()
+
+
+class ChatSession:
+    """A conversation on one bounded :class:`~h2o_kv.H2OCache`, fed turn by turn.
+
+    Each :meth:`send` feeds only the new turn (the chat template's closing of the previous reply, the user
+    message and the assistant header) and generates the reply; earlier turns live only in the cache, evicted by
+    the policy. Memory is bounded by ``heavy + recent`` entries per layer and KV head whatever the length.
+
+    Args:
+        model, tokenizer: from :func:`h2o_kv.load_model`; the tokenizer needs a chat template.
+        heavy, recent: the cache budget in entries (must be >= 1 in total).
+        policy: ``h2o`` (default), ``sink``, ``local`` or another bounded policy.
+        streaming: re-rotate keys inside the cache (needs a RoPE model); without it the conversation must stay
+            within ``config.max_position_embeddings`` tokens.
+        system: an optional system prompt (else the template's default, if it has one).
+        max_new_tokens, temperature, top_p: decoding (``temperature=0`` is greedy).
+    """
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        heavy: int = 256,
+        recent: int = 256,
+        policy: str = "h2o",
+        streaming: bool = True,
+        system: str | None = None,
+        max_new_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 0.9,
+        **policy_options,
+    ):
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise ValueError("the chat needs a tokenizer with a chat template")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        if not temperature >= 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature!r}")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+        if policy == "full":
+            raise ValueError("the chat needs a bounded policy (h2o, sink, local, ...), not 'full'")
+        self.model, self.tokenizer = model, tokenizer
+        self.cache_options = dict(heavy=heavy, recent=recent, policy=policy, streaming=streaming, **policy_options)
+        self.cache = H2OCache(**self.cache_options)  # validates the budget and policy before any turn
+        self.system = system
+        self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
+        self.context = int(getattr(model.config, "max_position_embeddings", 0) or 0)
+        self._closing, self._turn_template = self._template_pieces()
+        self._interrupt = _Interrupt()
+        self.reset()
+
+    # -- template --------------------------------------------------------------------------------------------
+    def _render(self, messages: list[dict[str, str]], generation_prompt: bool) -> str:
+        if self.system is not None:
+            messages = [{"role": "system", "content": self.system}, *messages]
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+    def _template_pieces(self) -> tuple[str, str]:
+        """The text that closes a reply, and the text of a later user turn (with the sentinel as message)."""
+        first = [{"role": "user", "content": _SENTINEL_USER}, {"role": "assistant", "content": _SENTINEL_REPLY}]
+        before = self._render(first, generation_prompt=False)
+        after = self._render([*first, {"role": "user", "content": _SENTINEL_USER}], generation_prompt=True)
+        if not after.startswith(before) or _SENTINEL_REPLY not in before:
+            raise ValueError(
+                "this chat template does not render a conversation incrementally; cannot chat turn by turn"
+            )
+        closing = before[before.index(_SENTINEL_REPLY) + len(_SENTINEL_REPLY) :]
+        return closing, after[len(before) :]
+
+    def turn_text(self, message: str) -> str:
+        """The text fed for ``message``: the whole first prompt, or the closing of the last reply + a new turn."""
+        if self.turns == 0:
+            return self._render([{"role": "user", "content": message}], generation_prompt=True)
+        closing = self._closing
+        eos = self.tokenizer.eos_token
+        if self._reply_closed and eos and closing.startswith(eos):  # the model already wrote the end-of-turn token
+            closing = closing[len(eos) :]
+        return closing + self._turn_template.replace(_SENTINEL_USER, message)
+
+    # -- conversation ----------------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Forget the conversation (empty cache, same settings)."""
+        self.cache = H2OCache(**self.cache_options)
+        self.turns = 0
+        self.generated = 0
+        self._reply_closed = False
+
+    def send(self, message: str, out: TextIO | None = None) -> dict[str, Any]:
+        """Feed one user turn and generate the reply (printed to ``out`` as it comes, if given).
+
+        Returns ``{"reply", "new_tokens", "prompt_tokens", "interrupted", "seconds"}``. Ctrl-C (SIGINT) while this
+        runs in the main thread stops the reply after the current token; the session stays usable.
+        """
+        if not isinstance(message, str) or not message.strip():
+            raise ValueError("empty message: type some text (or /quit)")
+        ids = self.tokenizer(self.turn_text(message), add_special_tokens=False, return_tensors="pt").input_ids
+        ids = ids.to(self.model.device)
+        capacity = self.cache.policy.capacity
+        # a turn longer than the window is fed token by token, so no position ever exceeds the window
+        self.cache.stepwise = bool(self.context) and ids.shape[1] + capacity >= self.context
+        streamer = _PrintStreamer(self.tokenizer, out) if out is not None else None
+        eos = self.tokenizer.eos_token_id
+        started = time.perf_counter()
+        try:
+            with self._interrupt, warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=_BUDGET_WARNING)
+                warnings.filterwarnings("ignore", message=".*generation flags are not valid.*")
+                sample = self.temperature > 0
+                options = dict(temperature=self.temperature, top_p=self.top_p) if sample else {}
+                output = continue_generation(
+                    self.model, self.cache, ids, max_new_tokens=self.max_new_tokens, do_sample=sample,
+                    streamer=streamer, stopping_criteria=[_StopOnFlag(self._interrupt.event)],
+                    eos_token_id=eos, pad_token_id=self.tokenizer.pad_token_id or eos, **options,
+                )  # fmt: skip
+        except Exception:
+            self.reset()  # a failed forward may leave a half-updated cache behind
+            raise
+        finally:
+            self.cache.stepwise = False
+        reply_ids = output[0, ids.shape[1] :].tolist()
+        self.turns += 1
+        self.generated += len(reply_ids)
+        self._reply_closed = bool(reply_ids) and reply_ids[-1] == eos
+        return {
+            "reply": self.tokenizer.decode(reply_ids, skip_special_tokens=True),
+            "new_tokens": len(reply_ids),
+            "prompt_tokens": int(ids.shape[1]),
+            "interrupted": self._interrupt.event.is_set(),
+            "seconds": time.perf_counter() - started,
+        }
+
+    def stats(self) -> dict[str, Any]:
+        """The cache's :meth:`~h2o_kv.H2OCache.stats` plus the turn count and the streaming flag."""
+        return {"turns": self.turns, "streaming": self.cache.streaming, **self.cache.stats()}
+
+    def status_line(self, result: dict[str, Any] | None = None) -> str:
+        s = self.stats()
+        line = (
+            f"[{s['policy']}{' streaming' if s['streaming'] else ''} | held {s['kv_tokens']} entries/layer "
+            f"| seen {s['seen_tokens']} tokens | KV {_mib(s['kv_bytes'])} (full cache {_mib(s['full_kv_bytes'])})"
+        )
+        if result is not None and result["seconds"] > 0:
+            line += f" | {result['new_tokens']} tokens in {result['seconds']:.1f}s"
+            if result["interrupted"]:
+                line += " | stopped"
+        return line + "]"
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+HELP = "commands: /reset (forget the conversation), /stats (cache details), /quit (or Ctrl-D), /help"
+
+
+def run_chat(session: ChatSession, stdin: TextIO | None = None, out: TextIO | None = None) -> int:
+    """The read-eval-print loop. Returns the number of turns answered. Never exits on a bad line."""
+    stdin = stdin or sys.stdin
+    out = out or sys.stdout
+    echo = not stdin.isatty()  # piped input: show what was read, so the transcript reads like a session
+    answered = 0
+    out.write(f"h2o-kv chat - {HELP}\n")
+    while True:
+        out.write("you> ")
+        out.flush()
+        try:
+            line = stdin.readline()
+        except KeyboardInterrupt:
+            out.write("\n(Ctrl-C at the prompt does nothing; /quit or Ctrl-D to leave)\n")
+            continue
+        except (UnicodeDecodeError, ValueError) as err:
+            out.write(f"\n(could not read that line: {err}; ignored)\n")
+            continue
+        if not line:  # EOF
+            out.write("\n")
+            break
+        line = line.rstrip("\r\n")
+        if echo:
+            out.write(line + "\n")
+        command = line.strip()
+        if not command:
+            out.write("(empty message ignored: type some text, or /quit)\n")
+            continue
+        if command.startswith("/"):
+            name = command.split()[0].lower()
+            if name in ("/quit", "/exit"):
+                break
+            if name == "/reset":
+                session.reset()
+                out.write("(conversation forgotten; the cache is empty)\n")
+            elif name == "/stats":
+                for key, value in session.stats().items():
+                    out.write(f"  {key}: {value}\n")
+            elif name == "/help":
+                out.write(HELP + "\n")
+            else:
+                out.write(f"(unknown command {name!r}; {HELP})\n")
+            continue
+        out.write("bot> ")
+        out.flush()
+        try:
+            result = session.send(line, out=out)
+        except KeyboardInterrupt:
+            out.write("\n(interrupted; the conversation was reset)\n")
+            session.reset()
+            continue
+        except Exception as err:  # one bad turn must not end the session
+            out.write(f"\n(error: {type(err).__name__}: {err}; the conversation was reset)\n")
+            continue
+        answered += 1
+        out.write("\n" + session.status_line(result) + "\n")
+    return answered
+
+
+app = typer.Typer(help="Interactive chat on one bounded, streaming KV cache.", add_completion=False)
+
+
+@app.callback(invoke_without_command=True)
+def chat(
+    heavy: int = typer.Option(256, help="Heavy-hitter entries kept per layer and KV head."),
+    recent: int = typer.Option(256, help="Most recent entries kept per layer and KV head."),
+    policy: str = typer.Option(
+        "h2o", help=f"Eviction policy (bounded): {', '.join(p for p in POLICIES if p != 'full')}."
+    ),
+    streaming: bool = typer.Option(
+        True, "--streaming/--no-streaming", help="Re-rotate keys inside the cache (never exceed the model window)."
+    ),
+    system: str = typer.Option(None, help="System prompt (default: the chat template's own)."),
+    max_new_tokens: int = typer.Option(256, help="Longest reply in tokens."),
+    temperature: float = typer.Option(0.0, help="Sampling temperature; 0 = greedy."),
+    top_p: float = typer.Option(0.9, help="Nucleus sampling mass (with --temperature > 0)."),
+    model: str = typer.Option(None, help="Local HF model directory or cached Hub id (default: SmolLM2-135M-Instruct)."),
+    dtype: str = typer.Option(None, help="float32 / float16 / bfloat16 (default: float32 on CPU)."),
+    device: str = typer.Option(None, help="cpu / cuda (default: cuda when available)."),
+):
+    """Chat with the model in the terminal; the whole conversation lives in one bounded cache.
+
+    Type a message and press Enter. /reset forgets the conversation, /stats shows the cache, /quit (or Ctrl-D)
+    leaves; Ctrl-C stops the reply being written. Works with piped input: `printf 'Hi\\n/stats\\n' | h2o-kv chat`.
+    """
+    try:  # check the settings before the model is loaded
+        H2OCache(heavy=heavy, recent=recent, policy=policy, streaming=streaming)
+        if max_new_tokens < 1:
+            raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+        if temperature < 0 or not 0 < top_p <= 1:
+            raise ValueError(f"--temperature must be >= 0 and --top-p in (0, 1], got {temperature}, {top_p}")
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from err
+    from transformers.utils import logging
+
+    from .models import load_model
+
+    logging.disable_progress_bar()
+    if hasattr(sys.stdin, "reconfigure"):  # a line that is not UTF-8 becomes U+FFFD instead of an error
+        sys.stdin.reconfigure(errors="replace")
+    try:
+        loaded, tokenizer = load_model(model, dtype=dtype, device=device)
+        session = ChatSession(
+            loaded, tokenizer, heavy=heavy, recent=recent, policy=policy, streaming=streaming, system=system,
+            max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+        )  # fmt: skip
+    except (ValueError, FileNotFoundError) as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from err
+    run_chat(session)
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,266 @@
+"""Perplexity and memory over a stream far longer than the model's context (issue 5).
+
+The stream joins the two PG-19 test books (Gutenberg header/footer stripped) and WikiText-2 (raw test split)
+from the shared data folder, ``--part-tokens`` tokens of each, so that it crosses two document boundaries. Every
+token is a decode step with eviction (:func:`h2o_kv.eval.ppl.streaming_nll`, stepwise cache), exactly what
+``h2o-kv eval ppl --streaming --window 1000`` computes; this module also records the KV-cache bytes after every
+chunk and plots both against the position in the stream:
+
+* ``h2o`` and ``sink`` (StreamingLLM) in streaming mode (position rolling, :mod:`h2o_kv.rotary`) at the same
+  cache sizes - their memory is flat and they never leave the model's trained positions;
+* ``full`` up to the model's context (``max_position_embeddings``), where it runs out of positions;
+* optionally (``--plain``) ``h2o``/``sink`` *without* streaming, whose absolute positions pass the context.
+
+Commands (``python -m h2o_kv.eval.streaming_plot ...``): ``run`` (resumable: one JSON per configuration under
+``results/streaming/``) and ``plot`` (PNG + markdown table from those JSONs).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from .results import data_path, sha256
+
+BOOKS = ("pg19/pg10146_reminiscences_of_pioneer_days_in_st_paul.txt", "pg19/pg10321_dragons_blood.txt")
+WIKITEXT = "wikitext2/wiki.test.raw.crlf_noblank.txt"
+OUT = Path("results/streaming")
+
+app = typer.Typer(help="Windowed perplexity and KV memory over a stream longer than the context.", add_completion=False)
+
+
+def build_stream(tokenizer, part_tokens: int, cache_dir: Path) -> tuple[Path, dict[str, Any]]:
+    """Write the joined stream text to ``cache_dir`` (outside the repository) and describe it.
+
+    Each source contributes its first ``part_tokens`` tokens (decoded back to text), joined by a blank line.
+    Returns the path and ``{"sources": [...], "boundaries": [token offsets where a new source starts]}``.
+    """
+    from .ppl import strip_gutenberg
+
+    parts, sources = [], []
+    for relative in (*BOOKS, WIKITEXT):
+        path = data_path(relative)
+        text = path.read_text(encoding="utf-8", errors="replace").replace("\r\n", "\n")
+        if relative in BOOKS:
+            text = strip_gutenberg(text)
+        ids = tokenizer(text, add_special_tokens=False, verbose=False).input_ids
+        if len(ids) < part_tokens:
+            raise ValueError(f"{relative} has only {len(ids)} tokens; --part-tokens must be <= that")
+        parts.append(tokenizer.decode(ids[:part_tokens]).strip())
+        sources.append({"path": str(path), "name": relative, "sha256": sha256(path), "tokens": part_tokens})
+    joined = "\n\n".join(parts) + "\n"
+    boundaries, prefix = [], ""
+    for part in parts[:-1]:
+        prefix += part + "\n\n"
+        boundaries.append(len(tokenizer(prefix, add_special_tokens=False, verbose=False).input_ids))
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    target = cache_dir / f"pg19x2+wikitext2_{part_tokens}.txt"
+    target.write_text(joined, encoding="utf-8")
+    return target, {"sources": sources, "boundaries": boundaries, "sha256": sha256(target)}
+
+
+def configurations(sizes: list[int], policies: list[str], full: bool, plain: bool, context: int, tokens: int):
+    """``(label, policy, size or None, streaming, tokens)`` for every run, most informative first."""
+    runs = []
+    for size in sizes:
+        for policy in policies:
+            runs.append((f"{policy}-{size}-streaming", policy, size, True, tokens))
+    if full:
+        runs.append(("full", "full", None, False, min(tokens, context)))
+    if plain:
+        for policy in policies:
+            runs.append((f"{policy}-{min(sizes)}-plain", policy, min(sizes), False, tokens))
+    return runs
+
+
+def run_one(model, tokenizer, text: Path, label, policy, size, streaming, tokens, window, chunk, meta, out: Path):
+    """One perplexity run with a KV-memory trace; writes ``out/<label>.json`` and returns the record."""
+    from rich.progress import Progress
+
+    from .ppl import PPLJob, run_ppl
+
+    half = None if size is None else size // 2
+    job = PPLJob.create(
+        text, tokens, policy, heavy=half, recent=None if size is None else size - half,
+        streaming=streaming, window=window, chunk=chunk,
+    )  # fmt: skip
+    made: dict[str, Any] = {}
+    make_cache = job.make_cache
+
+    def traced_cache():
+        made["cache"] = make_cache()
+        return made["cache"]
+
+    job.make_cache = traced_cache  # keep a handle on the cache to read its memory after every chunk
+    trace: list[dict[str, int]] = []
+    with Progress() as bar:
+        task = bar.add_task(f"{label} ({tokens} tokens)", total=tokens)
+
+        def progress(n: int) -> None:
+            stats = made["cache"].stats()
+            keys = ("seen_tokens", "kv_tokens", "slots", "kv_bytes", "full_kv_bytes")
+            trace.append({k: stats[k] for k in keys})
+            bar.advance(task, n)
+
+        return run_ppl(
+            job, model, tokenizer, out / f"{label}.json", progress=progress,
+            extra={"run": label, "streaming": streaming, "size": size, "memory": trace, "stream": meta,
+                   "command": shlex.join(["python", "-m", "h2o_kv.eval.streaming_plot", *sys.argv[1:]])},
+        )  # fmt: skip
+
+
+@app.command()
+def run(
+    tokens: int = typer.Option(24000, help="Tokens of the stream to evaluate (>= 2)."),
+    part_tokens: int = typer.Option(8000, help="Tokens taken from each of the three sources."),
+    sizes: str = typer.Option("256,1024", help="Cache sizes (heavy + recent entries), comma-separated."),
+    policies: str = typer.Option("h2o,sink", help="Streaming policies to compare, comma-separated."),
+    full: bool = typer.Option(True, "--full/--no-full", help="Also run the full cache up to the model context."),
+    plain: bool = typer.Option(False, "--plain", help="Also run the policies without streaming (smallest size)."),
+    window: int = typer.Option(1000, help="Tokens per perplexity window."),
+    chunk: int = typer.Option(1000, help="Tokens per forward pass (also the memory-trace interval)."),
+    out: Path = typer.Option(OUT, help="Folder for the result JSONs."),
+    cache_dir: Path = typer.Option(Path("~/.cache/h2o-kv/streaming"), help="Where the joined text is written."),
+    redo: bool = typer.Option(False, help="Rerun configurations whose JSON already exists."),
+    only: str = typer.Option(None, help="Run only these labels (comma-separated, e.g. h2o-256-streaming,full)."),
+    model: str = typer.Option(None, help="Model name or local directory (default: SmolLM2-135M-Instruct)."),
+):
+    """Run every configuration that has no result yet (resumable: one JSON per configuration)."""
+    try:
+        size_list = [int(s) for s in sizes.split(",") if s.strip()]
+        policy_list = [p.strip() for p in policies.split(",") if p.strip()]
+        if not size_list or min(size_list) < 2:
+            raise ValueError(f"--sizes must be integers >= 2, got {sizes!r}")
+        if "full" in policy_list:
+            raise ValueError("--policies are streaming policies; the full cache is --full")
+        if tokens < 2 or part_tokens < 1 or window < 1 or chunk < 1:
+            raise ValueError("--tokens must be >= 2 and --part-tokens, --window, --chunk >= 1")
+        if tokens > 3 * part_tokens:
+            raise ValueError(f"--tokens {tokens} is more than the stream (3 x --part-tokens = {3 * part_tokens})")
+        from ..policies import make_policy
+
+        for policy in policy_list:
+            make_policy(policy, 1, 1)
+    except ValueError as err:
+        typer.secho(f"Error: {err}", err=True, fg="red")
+        raise typer.Exit(2) from err
+    from transformers.utils import logging
+
+    from ..models import load_model, model_context_length
+
+    logging.disable_progress_bar()
+    loaded, tokenizer = load_model(model)
+    text, meta = build_stream(tokenizer, part_tokens, cache_dir.expanduser())
+    context = model_context_length(loaded)
+    wanted = None if only is None else {label.strip() for label in only.split(",")}
+    for label, policy, size, streaming, n in configurations(size_list, policy_list, full, plain, context, tokens):
+        if wanted is not None and label not in wanted:
+            continue
+        target = out / f"{label}.json"
+        if target.exists() and not redo:
+            typer.echo(f"{label}: done ({target})")
+            continue
+        record = run_one(loaded, tokenizer, text, label, policy, size, streaming, n, window, chunk, meta, out)
+        typer.echo(f"{label}: ppl {record['ppl']:.3f} over {n} tokens, {record['tokens_per_s']:.1f} tokens/s")
+
+
+def load_results(folder: Path) -> list[dict[str, Any]]:
+    records = [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))]
+    return [r for r in records if r.get("kind") == "ppl" and "memory" in r]
+
+
+STYLE = {"h2o": ("tab:blue", "-"), "sink": ("tab:orange", "-"), "local": ("tab:green", "-"), "full": ("black", "-")}
+
+
+def plot_results(records: list[dict[str, Any]], path: Path, context: int | None = None) -> None:
+    """Two panels against the position in the stream: perplexity per window (log scale), KV-cache MiB."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7.5), sharex=True, height_ratios=(3, 2))
+    sizes = sorted({r["size"] for r in records if r["size"]})
+    for r in sorted(records, key=lambda r: (r["policy"] != "full", r["size"] or 0, r["policy"], not r["streaming"])):
+        color, _ = STYLE.get(r["policy"], ("tab:gray", "-"))
+        style = "-" if r["streaming"] or r["policy"] == "full" else ":"
+        width = 1.0 if r["size"] and r["size"] == min(sizes) and r["policy"] != "full" else 2.0
+        label = (
+            "full cache"
+            if r["policy"] == "full"
+            else f"{r['policy']} {r['size']}" + (" streaming" if r["streaming"] else " (no streaming)")
+        )
+        windows = r["windows"]
+        top.plot([w["end"] for w in windows], [w["ppl"] for w in windows], style, color=color, lw=width, label=label)
+        mem = r["memory"]
+        bottom.plot([m["seen_tokens"] for m in mem], [m["kv_bytes"] / 2**20 for m in mem], style, color=color, lw=width)
+    for r in records[:1]:
+        for b in r["stream"]["boundaries"]:
+            for ax in (top, bottom):
+                ax.axvline(b, color="gray", lw=0.6, ls="--")
+    if context:
+        for ax in (top, bottom):
+            ax.axvline(context, color="red", lw=0.8, ls="-.")
+        top.text(context, top.get_ylim()[1], " model context", color="red", va="top", fontsize=8)
+    top.set_yscale("log")
+    top.set_ylabel("perplexity per 1,000-token window")
+    top.legend(fontsize=8, ncol=2)
+    top.set_title("SmolLM2-135M-Instruct, PG-19 x2 + WikiText-2 (dashed: document boundaries)", fontsize=10)
+    bottom.set_ylabel("KV cache (MiB)")
+    bottom.set_xlabel("position in the stream (tokens)")
+    bottom.set_yscale("log")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def summary_table(records: list[dict[str, Any]]) -> str:
+    """Markdown: overall perplexity, perplexity before/after the model context, peak KV MiB, speed."""
+    rows = [
+        "| run | tokens | ppl (all) | ppl, windows 1-8 | ppl, windows 9+ | KV cache at end | tokens/s |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+
+    def mean_ppl(windows):
+        total = sum(w["nll"] * (w["end"] - w["start"]) for w in windows)
+        count = sum(w["end"] - w["start"] for w in windows)
+        return f"{math.exp(total / count):.2f}" if count else "-"
+
+    for r in sorted(records, key=lambda r: (r["policy"] == "full", not r["streaming"], r["size"] or 0, r["policy"])):
+        windows = r["windows"]
+        end_mib = r["memory"][-1]["kv_bytes"] / 2**20
+        rows.append(
+            f"| {r['run']} | {r['tokens']} | {r['ppl']:.2f} | {mean_ppl(windows[:8])} | {mean_ppl(windows[8:])} "
+            f"| {end_mib:.1f} MiB | {r['tokens_per_s']:.1f} |"
+        )
+    return "\n".join(rows)
+
+
+@app.command()
+def plot(
+    folder: Path = typer.Option(OUT, help="Folder with the result JSONs of `run`."),
+    png: Path = typer.Option(OUT / "streaming_ppl.png", help="Output figure."),
+    context: int = typer.Option(8192, help="The model's context length (a marker on the plot)."),
+):
+    """Plot windowed perplexity and KV memory vs position, and print a markdown table."""
+    records = load_results(folder)
+    if not records:
+        typer.secho(f"Error: no streaming results in {folder}; run `run` first", err=True, fg="red")
+        raise typer.Exit(2)
+    plot_results(records, png, context)
+    table = summary_table(records)
+    (folder / "summary.md").write_text(table + "\n")
+    typer.echo(table)
+    typer.echo(f"wrote {png} and {folder / 'summary.md'} ({time.strftime('%Y-%m-%d %H:%M')})")
+
+
+if __name__ == "__main__":
+    app()

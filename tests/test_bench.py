@@ -1,0 +1,175 @@
+"""Smoke tests of the benchmark harness (``h2o-kv bench``) on a tiny random model. Timing is never asserted."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from h2o_kv import H2OCache
+from h2o_kv.bench import harness, memory, report, runner, workload
+from h2o_kv.bench.cli import app
+from h2o_kv.bench.harness import BenchConfig
+
+SMALL = dict(context=64, batch=2, new_tokens=5)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """``random:tiny``: the GPU script's code path (random weights of a named shape) at a few MB."""
+    return workload.load_bench_model("random:tiny", device="cpu")
+
+
+def test_prompts_are_real_text_distinct_and_deterministic(tiny):
+    ids = workload.make_prompts(tiny.tokenizer, 3, 50)
+    assert ids.shape == (3, 50) and ids.dtype == torch.long
+    assert torch.equal(ids, workload.make_prompts(tiny.tokenizer, 3, 50))
+    assert len({tuple(row.tolist()) for row in ids}) == 3
+    text = workload.pg19_text()
+    assert "*** START" not in text and "*** END" not in text and "PROJECT GUTENBERG LICENSE" not in text.upper()
+    with pytest.raises(ValueError, match="length"):
+        workload.make_prompts(tiny.tokenizer, 1, 0)
+
+
+@pytest.mark.parametrize("policy", ["full", "h2o", "sink"])
+def test_greedy_loop_equals_model_generate(tiny, policy):
+    """The harness' decode loop produces exactly the tokens of ``model.generate`` with the same cache."""
+    cfg = BenchConfig(policy=policy, **SMALL)
+    prompts = workload.make_prompts(tiny.tokenizer, cfg.batch, cfg.context)
+    run = harness._Run(tiny, cfg, cfg.context)
+    cache, first = harness._prefill(run, prompts)
+    tokens, times = harness.greedy_decode(tiny.model, cache, first, cfg.context, cfg.new_tokens - 1, tiny.device)
+    assert len(times) == cfg.new_tokens - 1
+    reference_cache = DynamicCache() if policy == "full" else H2OCache(budget=cfg.budget, policy=policy)
+    tiny.model.set_attn_implementation("sdpa" if policy == "full" else "h2o")
+    expected = tiny.model.generate(
+        prompts, attention_mask=torch.ones_like(prompts), past_key_values=reference_cache, do_sample=False,
+        max_new_tokens=cfg.new_tokens, min_new_tokens=cfg.new_tokens, pad_token_id=0,
+    )[:, cfg.context :]  # fmt: skip
+    assert torch.equal(tokens, expected)
+
+
+def test_measure_reports_consistent_numbers(tiny):
+    full = harness.measure(tiny, BenchConfig(policy="full", **SMALL))
+    h2o = harness.measure(tiny, BenchConfig(policy="h2o", **SMALL))
+    for r in (full, h2o):
+        assert r["decode_steps"] == 4 and r["generated_tokens"] == 10
+        assert r["e2e_tok_s"] == pytest.approx(10 / (r["prefill_s"] + r["decode_s"]))
+        assert r["step_ms_p50"] <= r["step_ms_p99"]
+        assert r["prefill_peak_bytes"] >= r["prefill_peak_increase_bytes"] >= 0
+        assert r["seq_length_end"] == 64 + 4
+    assert full["kv_tokens_per_layer_head_end"] == 68
+    kept = 2 * int(0.2 * 64 / 2)
+    assert h2o["kept_after_prefill"] == kept and h2o["kv_tokens_per_layer_head_end"] == kept
+    # the bounded cache holds kept + 1 slots of the 68 a full cache holds (plus slot bookkeeping)
+    assert h2o["kv_bytes_end"] == full["kv_bytes_end"] * (kept + 1) // 68
+    assert h2o["cache_bytes_end"] > h2o["kv_bytes_end"]
+
+
+def test_replicated_prefill_decodes_the_full_batch(tiny):
+    r = harness.measure(tiny, BenchConfig(policy="h2o", context=64, batch=4, new_tokens=3, prefill_batch=2))
+    assert r["prefill_rows"] == 2 and r["e2e_tok_s"] is None
+    assert r["cache_bytes_end"] == 2 * r["cache_bytes_after_prefill"]
+
+
+def test_peak_memory_sees_an_allocation():
+    with memory.PeakMemory(torch.device("cpu")) as peak:
+        block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+        del block
+    assert peak.increase >= 48 * 2**20
+
+
+def test_parse_sizes_and_limits():
+    assert memory.parse_bytes("377MB") == 377 * 10**6 and memory.parse_bytes("1.5GiB") == int(1.5 * 2**30)
+    assert runner.parse_limit("full@4") == ("full", 4)
+    for bad in ("lots", "-5MB", "full@0", "full@x"):
+        with pytest.raises(ValueError, match="memory-limit"):
+            runner.parse_limit(bad)
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="policy must be one of"):
+        BenchConfig(policy="nope", **SMALL)
+    with pytest.raises(ValueError, match="context"):
+        BenchConfig(policy="h2o", context=0, batch=1, new_tokens=4)
+    with pytest.raises(ValueError, match="new_tokens"):
+        BenchConfig(policy="h2o", context=8, batch=1, new_tokens=1)
+    with pytest.raises(ValueError, match="prefill_batch"):
+        BenchConfig(policy="h2o", context=8, batch=3, new_tokens=4, prefill_batch=2)
+
+
+def test_grid_alternates_resumes_and_fits_a_memory_limit(tiny, tmp_path):
+    settings = runner.RunSettings(model="random:tiny", device="cpu", isolate="none")
+    inner = runner.Executor(settings)
+    inner._lm = tiny
+    calls = []
+
+    def executor(cfg):
+        calls.append(cfg.key)
+        return inner(cfg)
+
+    grid = [BenchConfig(policy=p, **SMALL) for p in ("full", "h2o")]
+    store = runner.ResultStore(tmp_path / "r.json", {"command": "test"})
+    runner.run_measurements(grid, store, runner.RunSettings(repeats=2), executor)
+    assert calls == [grid[0].key, grid[1].key, grid[1].key, grid[0].key]  # alternating, reversed on repeat 1
+    resumed = runner.ResultStore(tmp_path / "r.json", {"command": "test"})
+    runner.run_measurements(grid, resumed, runner.RunSettings(repeats=2), executor)
+    assert len(calls) == 4 and len(resumed.records) == 4
+
+    fitted = runner.fit_runs(grid, "full@2", resumed, runner.RunSettings(), executor)
+    (fit,) = fitted
+    assert fit["config"]["tag"] == "fit" and fit["fits"]
+    assert fit["fit_batch"] > 2  # a cache of 13 of 68 entries fits several times the batch
+    assert fit["cache_bytes_peak"] <= fit["memory_limit_bytes"]
+
+    rows = report.summarise(json.loads((tmp_path / "r.json").read_text())["records"])
+    by_key = {r["key"]: r for r in rows}
+    assert by_key[grid[0].key]["repeats"] == 2
+    assert by_key[grid[1].key]["kv_ratio"] < 0.25 and by_key[fit["key"]]["vs_full"] == grid[0].key
+    assert "| h2o (fit) |" in report.markdown_table(rows)
+    model = report.bytes_model(rows)
+    assert model and model[0]["ratio_stock"] > model[0]["ratio_ideal"] > 1
+    assert report.plot(rows, tmp_path / "p.png").stat().st_size > 0
+
+
+def test_worker_process_measures_one_configuration():
+    executor = runner.Executor(runner.RunSettings(model="random:tiny", device="cpu", isolate="process"))
+    result = executor(BenchConfig(policy="local", context=32, batch=1, new_tokens=3))
+    assert result["isolated_process"] and result["random_init"] and result["model"] == "random:tiny"
+    assert result["memory_method"] in ("rss_hwm", "rss_sampled_1ms") and result["decode_steps"] == 2
+
+
+def test_profile_split_adds_up(tiny):
+    from h2o_kv.bench.profile import profile_decode
+
+    cfg = BenchConfig(policy="h2o", context=48, batch=2, new_tokens=16, budget=None, heavy=8, recent=8)
+    out = profile_decode(tiny, cfg, steps=4, warmup_steps=1)
+    assert sum(out["split_ms"].values()) == pytest.approx(out["step_ms"])
+    assert 0 < out["bookkeeping_percent"] < 100 and "aten::" in out["profiler_table"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("kvpress") is None, reason="kvpress not installed (optional peer)")
+def test_kvpress_keeps_the_same_number_of_entries(tiny):
+    r = harness.measure(tiny, BenchConfig(policy="kvpress:snapkv", context=100, batch=1, new_tokens=3))
+    assert r["kv_tokens_per_layer_head_end"] == 2 * int(0.2 * 100 / 2) + 2  # kept + 2 decoded entries
+
+
+def test_cli_rejects_bad_input_before_work(tmp_path):
+    from typer.testing import CliRunner
+
+    cli = CliRunner()
+    out = ["--out", str(tmp_path / "x.json")]
+    result = cli.invoke(app, ["run", "--contexts", "0", *out])
+    assert result.exit_code != 0 and "--contexts" in result.output
+    result = cli.invoke(app, ["run", "--policies", "full,bogus", *out])
+    assert result.exit_code != 0 and "policy must be one of" in result.output
+    result = cli.invoke(app, ["run", "--memory-limit", "full@0", *out])
+    assert result.exit_code != 0 and "memory-limit" in result.output
+    result = cli.invoke(app, ["run", "--model", "random:tiny", "--contexts", "8192", *out])
+    assert result.exit_code != 0 and "positions" in result.output
+    result = cli.invoke(app, ["run", "--model", "random:nope", *out])
+    assert result.exit_code != 0 and "shape must be one of" in result.output
+    assert not (tmp_path / "x.json").exists()

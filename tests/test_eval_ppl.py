@@ -1,0 +1,197 @@
+"""Streaming perplexity: the fast stepwise path equals one token per forward and the slow reference."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from reference import reference_logits
+from typer.testing import CliRunner
+
+from h2o_kv import H2OCache, load_model
+from h2o_kv.eval.cli import app
+from h2o_kv.eval.ppl import PPLInputError, PPLJob, budget_split, read_text, streaming_nll, strip_gutenberg, summarize
+from h2o_kv.eval.results import SHARED_DATA
+
+BOOKS = {
+    "pg19/pg10146_reminiscences_of_pioneer_days_in_st_paul.txt": "E-text prepared by Josephine Paolucci",
+    "pg19/pg10321_dragons_blood.txt": "Produced by Juliet Sutherland",
+}
+BOOK = SHARED_DATA / next(iter(BOOKS))
+# feeding one token per forward makes every forward a 1-token "prompt" shorter than the budget: expected
+pytestmark = pytest.mark.filterwarnings("ignore:H2OCache budget heavy")
+needs_data = pytest.mark.skipif(not BOOK.is_file(), reason="shared data folder not present (set H2O_KV_DATA)")
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tiny_models):
+    return load_model(tiny_models["llama"], device="cpu")[0]
+
+
+def make_cache(policy, heavy, recent, stepwise):
+    if policy == "full":
+        return H2OCache(policy="full", stepwise=stepwise)
+    return H2OCache(heavy, recent, policy=policy, stepwise=stepwise)
+
+
+@torch.no_grad()
+def one_token_at_a_time(model, ids, cache) -> torch.Tensor:
+    """The slow definition: one forward per token through an H2OCache, NLL of the next token."""
+    nll = []
+    for t in range(ids.shape[1] - 1):
+        logits = model(ids[:, t : t + 1], past_key_values=cache).logits[0, -1]
+        nll.append(-torch.log_softmax(logits.double(), -1)[ids[0, t + 1]])
+    return torch.stack(nll)
+
+
+def reference_nll(model, ids, heavy, recent, policy) -> torch.Tensor:
+    logits = reference_logits(model, ids, heavy, recent, policy).double()
+    return -torch.log_softmax(logits[:-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
+
+
+@pytest.mark.parametrize("policy", ["h2o", "local", "sink", "tova"])
+def test_fast_path_equals_token_by_token_and_reference_tiny(tiny_llama, policy):
+    ids = torch.randint(3, 500, (1, 64), generator=torch.Generator().manual_seed(3))
+    fast = streaming_nll(tiny_llama, ids, make_cache(policy, 6, 6, True), chunk=24)
+    slow_cache = make_cache(policy, 6, 6, False)
+    slow = one_token_at_a_time(tiny_llama, ids, slow_cache)
+    torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fast, reference_nll(tiny_llama, ids, 6, 6, policy), atol=1e-5, rtol=1e-5)
+    assert slow_cache.stats()["evicted_tokens"] > 0
+
+
+@pytest.mark.parametrize("policy", ["full", "snapkv", "random"])
+def test_fast_path_equals_token_by_token_other_policies(tiny_llama, policy):
+    ids = torch.randint(3, 500, (1, 48), generator=torch.Generator().manual_seed(4))
+    fast = streaming_nll(tiny_llama, ids, make_cache(policy, 5, 5, True), chunk=17)
+    slow = one_token_at_a_time(tiny_llama, ids, make_cache(policy, 5, 5, False))
+    torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
+
+
+def test_eviction_changes_the_nll(tiny_llama):
+    ids = torch.randint(3, 500, (1, 64), generator=torch.Generator().manual_seed(3))
+    full = streaming_nll(tiny_llama, ids, make_cache("full", 0, 0, True))
+    small = streaming_nll(tiny_llama, ids, make_cache("h2o", 3, 3, True))
+    torch.testing.assert_close(full[:6], small[:6])  # nothing evicted before the budget is reached
+    assert (full - small).abs().max() > 1e-3
+
+
+@needs_data
+def test_default_model_fast_path_equals_token_by_token_and_reference(default_model):
+    model, tokenizer = default_model
+    job = PPLJob.create(BOOK, 64, "h2o", heavy=8, recent=8, gutenberg=True)
+    ids = job.token_ids(tokenizer)
+    fast = streaming_nll(model, ids, job.make_cache(), chunk=40)
+    slow_cache = H2OCache(8, 8, policy="h2o")
+    slow = one_token_at_a_time(model, ids, slow_cache)
+    torch.testing.assert_close(fast, slow, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(fast, reference_nll(model, ids, 8, 8, "h2o"), atol=1e-4, rtol=1e-4)
+    assert slow_cache.stats()["evicted_tokens"] == 63 - 16  # the last token is never fed
+
+
+# -- text, budgets and bad input -------------------------------------------------------------------------------
+
+
+@needs_data
+@pytest.mark.parametrize("name", BOOKS)
+def test_strip_gutenberg_real_books(name):
+    raw = (SHARED_DATA / name).read_text()
+    book = read_text(SHARED_DATA / name, gutenberg=True)
+    assert book.startswith(BOOKS[name])
+    assert "*** END" not in book and "***END" not in book and "FULL LICENSE" not in book
+    assert len(book) > 0.7 * len(raw)
+
+
+def test_strip_gutenberg_markers_and_errors():
+    text = "h\n*** START OF THIS PROJECT GUTENBERG EBOOK X ***\n\nBody line.\n*** END OF THIS PROJECT GUTENBERG EBOOK"
+    assert strip_gutenberg(text) == "Body line."
+    two_lines = (
+        "h\n***START OF THE PROJECT GUTENBERG EBOOK A LONG\nTITLE***\nBody.\n***END OF THE PROJECT GUTENBERG EBOOK"
+    )
+    assert strip_gutenberg(two_lines) == "Body."
+    with pytest.raises(PPLInputError, match="START"):
+        strip_gutenberg("no markers here")
+    with pytest.raises(PPLInputError, match="END"):
+        strip_gutenberg("*** START OF THE PROJECT GUTENBERG EBOOK X ***\nbody")
+
+
+def test_budget_split():
+    assert budget_split("h2o", 4096, None, None, 0.2) == (409, 409, 0.2)
+    assert budget_split("local", 100, 7, 3, None) == (7, 3, None)
+    assert budget_split("full", 100, None, None, None) == (0, 0, 1.0)
+    for args, match in (
+        (("h2o", 100, None, None, 1.5), "--budget"),
+        (("h2o", 100, None, None, 0.01), "keeps no entry"),
+        (("h2o", 100, 3, None, None), "--recent"),
+        (("h2o", 100, 3, 3, 0.2), "not both"),
+        (("h2o", 100, -1, 3, None), "--heavy"),
+        (("nope", 100, None, None, 0.2), "--policy"),
+        (("full", 100, None, None, 0.5), "full"),
+    ):
+        with pytest.raises(PPLInputError, match=match):
+            budget_split(*args)
+
+
+def test_job_rejects_bad_input(tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("a few words of text")
+    with pytest.raises(PPLInputError, match="does not exist"):
+        PPLJob.create(tmp_path / "missing.txt", 10, "h2o", budget=0.5)
+    with pytest.raises(PPLInputError, match="larger than the text"):
+        PPLJob.create(text, 1000, "h2o", budget=0.5)
+    with pytest.raises(PPLInputError, match="--tokens"):
+        PPLJob.create(text, 1, "h2o", budget=0.5)
+    with pytest.raises(PPLInputError, match="--window"):
+        PPLJob.create(text, 10, "h2o", budget=0.5, window=0)
+    with pytest.raises(PPLInputError, match="window"):
+        PPLJob.create(text, 10, "snapkv", budget=0.5, policy_options={"window": 0})
+    with pytest.raises(PPLInputError, match="GUTENBERG"):
+        PPLJob.create(text, 10, "h2o", budget=0.5, gutenberg=True)
+
+
+def test_summarize_windows_and_blocks():
+    nll = torch.arange(300, dtype=torch.float64) / 100
+    out = summarize(nll, window=128)
+    assert out["nll"] == pytest.approx(float(nll.mean())) and out["ppl"] == pytest.approx(math.exp(out["nll"]))
+    assert [(w["start"], w["end"]) for w in out["windows"]] == [(1, 129), (129, 257), (257, 301)]
+    assert out["windows"][2]["ppl"] == pytest.approx(math.exp(float(nll[256:].mean())))
+    assert len(out["block_nll"]) == 300 // 64 and out["nll_stderr"] > 0
+
+
+# -- command line --------------------------------------------------------------------------------------------
+
+
+def test_cli_bad_input_fails_before_loading(tmp_path, monkeypatch):
+    def boom(*args, **kwargs):
+        raise AssertionError("the model must not load for bad input")
+
+    monkeypatch.setattr("h2o_kv.eval.sweep.ModelHandle.model", boom)
+    runner = CliRunner()
+    result = runner.invoke(app, ["ppl", "--text", str(tmp_path / "missing.txt"), "--tokens", "64", "--budget", "0.2"])
+    assert result.exit_code == 2 and "does not exist" in result.output
+    (tmp_path / "t.txt").write_text("short text")
+    result = runner.invoke(app, ["ppl", "--text", str(tmp_path / "t.txt"), "--tokens", "64", "--budget", "0.2"])
+    assert result.exit_code == 2 and "larger than the text" in result.output
+    result = runner.invoke(app, ["ppl", "--text", str(tmp_path / "t.txt"), "--tokens", "8", "--budget", "2"])
+    assert result.exit_code == 2 and "--budget" in result.output
+
+
+@needs_data
+def test_cli_writes_result_json(tmp_path, default_model):
+    out = tmp_path / "r.json"
+    args = ["ppl", "--text", str(BOOK), "--strip-gutenberg", "--tokens", "48", "--budget", "0.5", "--window", "16"]
+    result = CliRunner().invoke(app, [*args, "--policy", "sink", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    record = json.loads(out.read_text())
+    for key in ("ppl", "nll", "tokens", "policy", "heavy", "recent", "time_s", "settings", "data", "versions"):
+        assert key in record
+    assert (record["policy"], record["heavy"], record["recent"], record["tokens"]) == ("sink", 12, 12, 48)
+    assert record["metrics"]["ppl"] == pytest.approx(math.exp(record["nll"]))
+    assert record["data"]["sha256"] == "c147225ac52a9f97359e8475316759df5e93fd5af3dc611e927430b0fc1d8fe6"
+    assert len(record["windows"]) == 3 and record["cache"]["kv_tokens"] == 24
+    model, tokenizer = default_model
+    job = PPLJob.create(BOOK, 48, "sink", budget=0.5, gutenberg=True)
+    expected = streaming_nll(model, job.token_ids(tokenizer), job.make_cache())
+    assert record["nll"] == pytest.approx(float(expected.mean()), abs=1e-5)
