@@ -80,7 +80,10 @@ def attention_with_mass(
             chunk_mass = probs.sum(dim=(2, 3))
             mass = _accumulate(mass, chunk_mass, entries)
             if r1 > rows - window:  # a block inside the window (e.g. a decode step) reuses its sum
-                in_window = chunk_mass if r0 >= rows - window else probs[:, :, :, rows - window - r0 :].sum(dim=(2, 3))
+                if r0 >= rows - window:  # a copy when later blocks will add to `mass` in place
+                    in_window = chunk_mass if r1 == rows else chunk_mass.clone()
+                else:
+                    in_window = probs[:, :, :, rows - window - r0 :].sum(dim=(2, 3))
                 last = _accumulate(last, in_window, entries)
     output = output.reshape(batch, q_heads, rows, -1).transpose(1, 2).contiguous()
     return output, mass, last
