@@ -168,6 +168,8 @@ def test_cli_rejects_bad_input_before_work(tmp_path):
     assert result.exit_code != 0 and "policy must be one of" in result.output
     result = cli.invoke(app, ["run", "--memory-limit", "full@0", *out])
     assert result.exit_code != 0 and "memory-limit" in result.output
+    result = cli.invoke(app, ["run", "--fit-only", *out])
+    assert result.exit_code != 0 and "--fit-only needs --memory-limit" in result.output
     result = cli.invoke(app, ["run", "--model", "random:tiny", "--contexts", "8192", *out])
     assert result.exit_code != 0 and "positions" in result.output
     result = cli.invoke(app, ["run", "--model", "random:nope", *out])

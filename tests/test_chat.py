@@ -39,36 +39,56 @@ def test_continue_generation_equals_generating_over_the_full_history(llama, stre
     gen = torch.Generator().manual_seed(0)
     turn1, turn2 = torch.randint(3, 512, (1, 20), generator=gen), torch.randint(3, 512, (1, 12), generator=gen)
     cache = H2OCache(heavy=100, recent=100, streaming=streaming)
-    first = _greedy(llama, turn1, cache, 10)
+    options = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="H2OCache budget")
-        # generate never feeds its last token: it is part of what the cache has not seen yet
-        unseen = torch.cat([first[:, -1:], turn2], dim=1)
-        second = continue_generation(
-            llama, cache, unseen, max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0
-        )
-    assert torch.equal(second[:, :13], unseen)  # sequences = the new tokens + the reply
+        first = continue_generation(llama, cache, turn1, **options)
+        assert cache.get_seq_length() == 30  # the last generated token was fed as well
+        second = continue_generation(llama, cache, turn2, **options)
+    assert torch.equal(second[:, :12], turn2)  # sequences = the new tokens + the reply
     history = torch.cat([first, turn2], dim=1)
     reference = _greedy(llama, history, H2OCache(heavy=100, recent=100), 10)
-    assert torch.equal(second[:, 13:], reference[:, history.shape[1] :])
-    assert cache.get_seq_length() == history.shape[1] + 10 - 1
+    assert torch.equal(second[:, 12:], reference[:, history.shape[1] :])
+    assert cache.get_seq_length() == history.shape[1] + 10  # every returned token is in the cache
+
+
+def test_continue_generation_after_plain_generate_and_without_feed_last(llama):
+    """After a plain generate (or feed_last=False) the unfed last token goes in front of the next turn."""
+    gen = torch.Generator().manual_seed(1)
+    turn1, turn2 = torch.randint(3, 512, (1, 10), generator=gen), torch.randint(3, 512, (1, 6), generator=gen)
+    opts = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0)
+    outs = []
+    for how in ("helper", "plain", "no-feed"):
+        cache = H2OCache(heavy=64, recent=64, streaming=True)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="H2OCache budget")
+            if how == "helper":
+                continue_generation(llama, cache, turn1, **opts)
+                nxt = turn2
+            else:
+                if how == "plain":
+                    first = _greedy(llama, turn1, cache, 5)
+                else:
+                    first = continue_generation(llama, cache, turn1, feed_last=False, **opts)
+                assert cache.get_seq_length() == 14
+                nxt = torch.cat([first[:, -1:], turn2], dim=1)
+            outs.append(continue_generation(llama, cache, nxt, **opts)[:, -5:])
+        assert cache.get_seq_length() == 10 + 5 + 6 + 5
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
 def test_continue_generation_with_eviction_stays_bounded(llama):
     cache = H2OCache(heavy=8, recent=8, streaming=True)
-    unfed = torch.zeros((1, 0), dtype=torch.long)  # the previous reply's last token, never fed by generate
     for seed in range(6):  # 6 turns of 30 + 20 tokens: far more than the 16 kept entries
         turn = torch.randint(3, 512, (1, 30), generator=torch.Generator().manual_seed(seed))
-        turn = torch.cat([unfed, turn], dim=1)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="H2OCache budget")
             out = continue_generation(
                 llama, cache, turn, max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=0
             )
-        assert out.shape == (1, turn.shape[1] + 20)
-        unfed = out[:, -1:]
+        assert out.shape == (1, 50)
     stats = cache.stats()
-    assert stats["seen_tokens"] == 6 * 50 - 1 and stats["kv_tokens"] == 16 and stats["slots"] <= 17
+    assert stats["seen_tokens"] == 6 * 50 and stats["kv_tokens"] == 16 and stats["slots"] <= 17
 
 
 def test_continue_generation_full_history_mask_matches_new_only(llama):
@@ -77,7 +97,9 @@ def test_continue_generation_full_history_mask_matches_new_only(llama):
     outs = []
     for full_mask in (False, True):
         cache = H2OCache(heavy=64, recent=64)
-        _greedy(llama, turn1, cache, 5)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="H2OCache budget")
+            continue_generation(llama, cache, turn1, max_new_tokens=5, do_sample=False)
         seen = cache.get_seq_length()
         mask = torch.ones(1, seen + 8 if full_mask else 8, dtype=torch.long)
         with warnings.catch_warnings():

@@ -238,3 +238,19 @@ def test_user_task_yaml_via_include_path_and_cli(default_model, tmp_path):
     assert "capitals" in result.output and math.isfinite(saved["metrics"]["mean_acc"])
     bad = CliRunner().invoke(app, ["tasks", "--tasks", "capitals", "--budget", "2"])
     assert bad.exit_code == 2 and "--budget must be a ratio" in bad.output
+
+
+@needs_data
+def test_sweep_kind_tasks(tmp_path):
+    from h2o_kv.eval.sweep import KINDS, ModelHandle, run_sweep
+
+    assert {"tasks", "xsum", "needle"} <= set(KINDS)
+    options = {"tasks": "rte", "limit": "2", "num_fewshot": "0"}
+    with pytest.raises(ValueError, match="--kind tasks does not take --bogus"):
+        run_sweep("tasks", ["h2o"], [0.5], tmp_path / "bad", {**options, "bogus": "1"}, ModelHandle())
+    with pytest.raises(ValueError, match="--limit must be an integer"):
+        run_sweep("tasks", ["h2o"], [0.5], tmp_path / "bad", {**options, "limit": "x"}, ModelHandle())
+    paths = run_sweep("tasks", ["full", "local"], [0.5], tmp_path / "grid", options, ModelHandle())
+    records = [json.loads(p.read_text()) for p in paths]
+    assert [(r["policy"], r["budget"]) for r in records] == [("full", 1.0), ("local", 0.5)]
+    assert all(r["tasks"]["rte"]["n"] == 2 for r in records)

@@ -42,6 +42,9 @@ def test_unrotate_inverts_rotate(rotary_dim):
     torch.testing.assert_close(rotary.unrotate(y, cos[:, None], sin[:, None]), x, atol=1e-5, rtol=1e-5)
     if rotary_dim < 16:
         assert torch.equal(y[..., rotary_dim:], x[..., rotary_dim:])  # partial rotary passes the rest through
+    # what the cache stores: the un-rotated key in pair order (each RoPE pair side by side)
+    raw = rotary.raw_keys(y, cos, sin)
+    torch.testing.assert_close(raw, x.index_select(-1, rotary.pair_order(16, rotary_dim)), atol=1e-5, rtol=1e-5)
 
 
 def test_pair_order_is_a_permutation():
@@ -74,9 +77,9 @@ def test_runs_three_times_past_the_window_with_bounded_layers(tiny, policy, monk
     seen_positions = []
     lookup = rotary.PositionRoller._lookup
 
-    def recording_lookup(self, positions):
+    def recording_lookup(self, positions, *table):
         seen_positions.append(int(positions.max()))
-        return lookup(self, positions)
+        return lookup(self, positions, *table)
 
     monkeypatch.setattr(rotary.PositionRoller, "_lookup", recording_lookup)
     cache = H2OCache(heavy=heavy, recent=recent, policy=policy, streaming=True)

@@ -5,7 +5,10 @@ set -u
 cd "$(dirname "$0")/../.."
 OUT=results/eval-tasks
 EVAL="python -m h2o_kv.eval.cli"
-run() { echo "== $*"; flock /tmp/h2o-cpu.lock $EVAL "$@" || echo "FAILED: $*"; }
+run() {  # skips a run whose result JSON exists (the last argument)
+  if [[ -f "${@: -1}" ]]; then echo "== exists: ${@: -1}"; return; fi
+  echo "== $*"; flock /tmp/h2o-cpu.lock $EVAL "$@" || echo "FAILED: $*"
+}
 TASKS=piqa,openbookqa,rte,mathqa,hellaswag,lambada
 LIMIT=${LIMIT:-100}
 PAPER_LIMIT=${PAPER_LIMIT:-50}

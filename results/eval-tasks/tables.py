@@ -62,17 +62,19 @@ def tasks_table(records: list[dict]) -> list[str]:
     return lines
 
 
-def tasks_delta_table(records: list[dict]) -> list[str]:
+def tasks_delta_table(records: list[dict], metric: str = "acc") -> list[str]:
+    """Paired change vs full per task (points), for ``acc`` or ``acc_norm`` (tasks that have it)."""
     full = next(r for r in records if r["policy"] == "full")
-    lines = ["| setting | " + " | ".join(TASKS) + " |", "|---|" + "---:|" * len(TASKS)]
+    tasks = [t for t in TASKS if metric in full["items"].get(t, {})]
+    lines = ["| setting | " + " | ".join(tasks) + " | mean |", "|---|" + "---:|" * (len(tasks) + 1)]
     for record in sorted(records, key=order):
         if record is full:
             continue
-        cells = []
-        for task in TASKS:
-            d, se = paired(record["items"][task]["acc"], full["items"][task]["acc"])
-            cells.append(f"{100 * d:+.1f} ± {100 * se:.1f}")
-        lines.append(f"| {name(record)} | " + " | ".join(cells) + " |")
+        deltas = [paired(record["items"][t][metric], full["items"][t][metric]) for t in tasks]
+        cells = [f"{100 * d:+.1f} ± {100 * se:.1f}" for d, se in deltas]
+        mean = sum(d for d, _ in deltas) / len(deltas)
+        mean_se = math.sqrt(sum(se * se for _, se in deltas)) / len(deltas)
+        lines.append(f"| {name(record)} | " + " | ".join(cells) + f" | {100 * mean:+.2f} ± {100 * mean_se:.2f} |")
     return lines
 
 
@@ -114,7 +116,9 @@ def main() -> None:
     for title, pattern in (("prefill protocol", "tasks_[!p]*.json"), ("paper protocol", "tasks_paper_*.json")):
         records = load(pattern)
         if records and any(r["policy"] == "full" for r in records):
-            out += [f"### lm-eval, {title}", "", *tasks_table(records), "", *tasks_delta_table(records), ""]
+            out += [f"### lm-eval, {title}", "", *tasks_table(records), ""]
+            out += ["Paired change of acc vs full (points):", "", *tasks_delta_table(records), ""]
+            out += ["Paired change of acc_norm vs full (points):", "", *tasks_delta_table(records, "acc_norm"), ""]
     for title, pattern, table in (("XSUM", "xsum_*.json", xsum_table), ("needle", "needle_*.json", needle_table)):
         records = load(pattern)
         if records and (table is needle_table or any(r["policy"] == "full" for r in records)):

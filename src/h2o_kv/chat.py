@@ -30,21 +30,34 @@ _BUDGET_WARNING = "H2OCache budget heavy \\+ recent"
 _SENTINEL_USER, _SENTINEL_REPLY = "\x00h2o-user\x00", "\x00h2o-reply\x00"
 
 
-def continue_generation(model, cache, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs):
+def continue_generation(
+    model,
+    cache,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    feed_last: bool = True,
+    **kwargs,
+):
     """``model.generate`` for ``input_ids`` (the new tokens only) after the tokens already held by ``cache``.
 
     Hugging Face's ``generate`` treats ``input_ids`` as the whole history and skips the part the cache has seen,
     so a turn's tokens alone would be dropped. This passes the cache position of the new tokens explicitly.
+    ``generate`` also never feeds its last generated token back; with ``feed_last=True`` (default) this does it
+    with one more decode step, so that afterwards the cache has seen every token of the returned ``sequences``
+    and the next call again takes only the next turn's tokens.
 
     Args:
         model: a model prepared with :func:`h2o_kv.enable_h2o` (``h2o_kv.load_model`` does it).
         cache: the :class:`~h2o_kv.H2OCache` (or any HF cache) of the conversation so far; may be empty.
-        input_ids: ``[batch, n]`` new tokens, ``n >= 1``: everything the cache has not seen, which includes the
-            previous reply's last token (``generate`` returns it but never feeds it through the model).
+        input_ids: ``[batch, n]`` new tokens, ``n >= 1``: everything the cache has not seen. After an earlier
+            ``continue_generation`` (``feed_last=True``) that is just the next turn; after a plain ``generate`` it
+            also includes that call's last generated token, which ``generate`` returns but never feeds.
         attention_mask: ``[batch, n]`` for the new tokens (left padding), or ``[batch, seen + n]`` covering the
             whole history. Only needed for padded batches. With a non-streaming cache the positions of the new
             tokens are ``seen + i`` (for padded earlier turns, pass the full history mask to keep them exact);
             a streaming cache ignores absolute positions altogether.
+        feed_last: feed the last generated token into the cache before returning.
         **kwargs: anything ``model.generate`` accepts (``max_new_tokens``, ``do_sample``, ``streamer``, ...).
 
     Returns:
@@ -65,15 +78,22 @@ def continue_generation(model, cache, input_ids: torch.Tensor, attention_mask: t
     if attention_mask is None:
         attention_mask = torch.ones((batch, new), dtype=torch.long, device=device)
     if seen == 0:
-        return model.generate(input_ids, attention_mask=attention_mask, past_key_values=cache, **kwargs)
-    if getattr(cache, "streaming", False):
-        attention_mask = attention_mask[:, -new:]  # positions are re-derived inside the cache
-    elif attention_mask.shape[1] == new:  # absolute positions: seen + i
-        attention_mask = torch.cat([attention_mask.new_ones((batch, seen)), attention_mask], dim=1)
-    cache_position = torch.arange(seen, seen + new, device=device)
-    return model.generate(
-        input_ids, attention_mask=attention_mask, past_key_values=cache, cache_position=cache_position, **kwargs
-    )
+        output = model.generate(input_ids, attention_mask=attention_mask, past_key_values=cache, **kwargs)
+    else:
+        if getattr(cache, "streaming", False):
+            attention_mask = attention_mask[:, -new:]  # positions are re-derived inside the cache
+        elif attention_mask.shape[1] == new:  # absolute positions: seen + i
+            attention_mask = torch.cat([attention_mask.new_ones((batch, seen)), attention_mask], dim=1)
+        cache_position = torch.arange(seen, seen + new, device=device)
+        output = model.generate(
+            input_ids, attention_mask=attention_mask, past_key_values=cache, cache_position=cache_position, **kwargs
+        )
+    sequences = output if isinstance(output, torch.Tensor) else output.sequences
+    if feed_last and cache is not None and sequences.shape[1] > new:
+        done = cache.get_seq_length()
+        with torch.no_grad():  # the token generate never fed back: now the cache has seen all of `sequences`
+            model(sequences[:, -1:], past_key_values=cache, cache_position=torch.arange(done, done + 1, device=device))
+    return output
 
 
 class _Interrupt:
@@ -208,7 +228,7 @@ class ChatSession:
             return self._render([{"role": "user", "content": message}], generation_prompt=True)
         closing = self._closing
         eos = self.tokenizer.eos_token
-        if self._reply_closed and eos and closing.startswith(eos):  # the model already wrote the end-of-turn token
+        if self._reply_closed and eos and closing.startswith(eos):  # the reply's own end-of-turn token is cached
             closing = closing[len(eos) :]
         return closing + self._turn_template.replace(_SENTINEL_USER, message)
 
@@ -278,6 +298,8 @@ class ChatSession:
             line += f" | {result['new_tokens']} tokens in {result['seconds']:.1f}s"
             if result["interrupted"]:
                 line += " | stopped"
+        if not s["streaming"] and self.context and s["seen_tokens"] > self.context:
+            line += f" | past the model's {self.context}-token context: positions are untrained (use streaming)"
         return line + "]"
 
 

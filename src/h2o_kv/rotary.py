@@ -110,6 +110,9 @@ def rotary_for(module: torch.nn.Module) -> torch.nn.Module:
     return entry
 
 
+_PAIR_ORDERS: dict = {}
+
+
 def pair_order(head_dim: int, rotary_dim: int, device=None) -> torch.Tensor:
     """Permutation of the head dimension that puts each RoPE pair ``(i, i + rotary_dim / 2)`` side by side.
 
@@ -117,16 +120,42 @@ def pair_order(head_dim: int, rotary_dim: int, device=None) -> torch.Tensor:
     multiplication per entry (``torch.view_as_complex``). Dot products do not change under a common permutation.
     Dimensions past ``rotary_dim`` (partial rotary) follow unchanged.
     """
-    half = rotary_dim // 2
-    first = torch.arange(half, device=device)
-    pairs = torch.stack((first, first + half), dim=-1).flatten()
-    return torch.cat((pairs, torch.arange(rotary_dim, head_dim, device=device)))
+    key = (head_dim, rotary_dim, str(device))
+    if key not in _PAIR_ORDERS:
+        half = rotary_dim // 2
+        first = torch.arange(half, device=device)
+        pairs = torch.stack((first, first + half), dim=-1).flatten()
+        _PAIR_ORDERS[key] = torch.cat((pairs, torch.arange(rotary_dim, head_dim, device=device)))
+    return _PAIR_ORDERS[key]
+
+
+# the un-rotation factors of the last forward's cos/sin: every layer of a forward shares the same cos/sin tensors
+_LAST_INVERSE: list = [None, None, None]
+
+
+def inverse_factors(cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Complex factors ``[B, Q, head_dim / 2]`` that undo the model's RoPE (``cos``/``sin`` ``[B, Q, r]``) on
+    vectors in pair order: ``conj(cos + i sin) / (cos**2 + sin**2)`` (the division undoes a YaRN-style scaling
+    and the rounding of the angle), 1 for the pairs past ``r``. Memoised for the tensors of the last call."""
+    memo = _LAST_INVERSE
+    if memo[0] is cos and memo[1] is sin and memo[2].shape[-1] == head_dim // 2:
+        return memo[2]
+    half = cos.shape[-1] // 2
+    c, s = cos[..., :half], sin[..., :half]
+    if c.dtype != torch.float64:
+        c, s = c.float(), s.float()
+    factors = torch.complex(c, -s) / (c * c + s * s)
+    if half < head_dim // 2:
+        factors = torch.cat((factors, factors.new_ones((*factors.shape[:-1], head_dim // 2 - half))), dim=-1)
+    memo[:] = [cos, sin, factors]
+    return factors
 
 
 def raw_keys(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Keys ``[B, H, Q, D]`` rotated by the model (``cos``/``sin`` ``[B, Q, r]``): un-rotated, in pair order."""
-    raw = unrotate(keys, cos.unsqueeze(1), sin.unsqueeze(1))
-    return raw.index_select(-1, pair_order(keys.shape[-1], cos.shape[-1], keys.device))
+    head_dim = keys.shape[-1]
+    paired = keys.index_select(-1, pair_order(head_dim, cos.shape[-1], keys.device))
+    return _apply(paired, inverse_factors(cos, sin, head_dim).unsqueeze(1))
 
 
 class RotaryTable:
@@ -139,6 +168,8 @@ class RotaryTable:
     def __init__(self, rotary: torch.nn.Module):
         self.rotary = rotary
         self.factors: torch.Tensor | None = None
+        self.inverse: torch.Tensor | None = None
+        self.unit = True
 
     def ensure(self, size: int, head_dim: int, like: torch.Tensor) -> torch.Tensor:
         """The table with at least ``size`` rows for keys like ``like`` (complex64 for 16/32-bit floats)."""
@@ -153,6 +184,8 @@ class RotaryTable:
             rot = torch.complex(cos[0, :, :half].to(real.dtype), sin[0, :, :half].to(real.dtype))
             ones = torch.ones(size, head_dim // 2 - half, dtype=cdtype, device=like.device)
             self.factors = torch.cat((rot.to(cdtype), ones), dim=-1)
+            self.inverse = self.factors.conj().resolve_conj()  # rotation by minus the position
+            self.unit = bool(torch.equal(self.factors[0], torch.ones_like(self.factors[0])))  # no RoPE scaling
         return self.factors
 
 
@@ -203,9 +236,11 @@ class PositionRoller:
         self.capacity = layer.cache.policy.capacity
         slots = layer.slots if layer.is_initialized else 0
         size = int(min(layer.max_slots, 2 * (slots + rows) + 16)) + rows + 2
-        self.table = table_for(module).ensure(size, head_dim, query)
-        raw = unrotate(query, cos.unsqueeze(1), sin.unsqueeze(1))
-        self.raw_query = raw.index_select(-1, pair_order(head_dim, cos.shape[-1], query.device))  # [B, Hq, Q, D]
+        table = table_for(module)
+        self.table = table.ensure(size, head_dim, query)
+        self.inverse, self.unit = table.inverse, table.unit
+        paired = query.index_select(-1, pair_order(head_dim, cos.shape[-1], query.device))
+        self.raw_query = _apply(paired, inverse_factors(cos, sin, head_dim).unsqueeze(1))  # [B, Hq, Q, D]
         self._step_query = None
 
     def sliding_window(self, window: int | None) -> int | None:
@@ -217,8 +252,9 @@ class PositionRoller:
             f"(got {self.capacity}): in streaming mode distances are counted inside the cache"
         )
 
-    def _lookup(self, positions: torch.Tensor) -> torch.Tensor:
-        return self.table.index_select(0, positions.flatten()).view(*positions.shape, -1)
+    def _lookup(self, positions: torch.Tensor, table: torch.Tensor | None = None) -> torch.Tensor:
+        table = self.table if table is None else table
+        return table.index_select(0, positions.flatten()).view(*positions.shape, -1)
 
     def chunk(self, keys, pos, valid, first_column: int):
         """Queries and candidate keys of a prompt chunk, rotated to their in-cache positions."""
@@ -243,12 +279,12 @@ class PositionRoller:
     def step(self, i: int, layer):
         """Query row ``i`` and the layer's slots after that row's key was written, at relative positions."""
         if self._step_query is None:  # every query at in-cache position 0 (only RoPE's scaling applies)
-            self._step_query = _apply(self.raw_query, self.table[0])
+            self._step_query = self.raw_query if self.unit else _apply(self.raw_query, self.table[0])
         # distance of each kept entry to the query = number of valid entries newer than it, + 1 for a pad query
         newest_first = layer.pos.masked_fill(~layer.valid, -1).argsort(dim=-1, descending=True)
         ranks = torch.arange(newest_first.shape[-1], device=newest_first.device).expand_as(newest_first)
         distance = torch.empty_like(newest_first).scatter_(-1, newest_first, ranks)
         if self.is_real is not None:
             distance = distance + (~self.is_real[:, i]).long().view(-1, 1, 1)
-        keys = _apply(layer.keys, self._lookup(distance).conj())
+        keys = _apply(layer.keys, self._lookup(distance, self.inverse))
         return self._step_query[:, :, i : i + 1], keys

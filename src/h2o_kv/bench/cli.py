@@ -106,6 +106,8 @@ def run_cmd(
             check_policy(p)
         if memory_limit:
             parse_limit(memory_limit)
+        elif fit_only:
+            raise ValueError("--fit-only needs --memory-limit")
         from .workload import resolve_device
 
         resolve_device(device)

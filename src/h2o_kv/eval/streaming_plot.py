@@ -198,19 +198,23 @@ def plot_results(records: list[dict[str, Any]], path: Path, context: int | None 
             else f"{r['policy']} {r['size']}" + (" streaming" if r["streaming"] else " (no streaming)")
         )
         windows = r["windows"]
-        top.plot([w["end"] for w in windows], [w["ppl"] for w in windows], style, color=color, lw=width, label=label)
+        middle = [(w["start"] + w["end"]) / 2 for w in windows]
+        top.plot(middle, [w["ppl"] for w in windows], style, color=color, lw=width, marker=".", label=label)
         mem = r["memory"]
         bottom.plot([m["seen_tokens"] for m in mem], [m["kv_bytes"] / 2**20 for m in mem], style, color=color, lw=width)
-    for r in records[:1]:
-        for b in r["stream"]["boundaries"]:
+    longest = max(r["tokens"] for r in records)
+    for b in records[0]["stream"]["boundaries"]:
+        if b < longest:
             for ax in (top, bottom):
                 ax.axvline(b, color="gray", lw=0.6, ls="--")
-    if context:
+    if context and context < longest:
         for ax in (top, bottom):
             ax.axvline(context, color="red", lw=0.8, ls="-.")
         top.text(context, top.get_ylim()[1], " model context", color="red", va="top", fontsize=8)
     top.set_yscale("log")
-    top.set_ylabel("perplexity per 1,000-token window")
+    size = records[0]["windows"][0]["end"] - records[0]["windows"][0]["start"]
+    top.set_ylabel(f"perplexity per {size:,}-token window")
+    bottom.set_xlim(0, longest)
     top.legend(fontsize=8, ncol=2)
     top.set_title("SmolLM2-135M-Instruct, PG-19 x2 + WikiText-2 (dashed: document boundaries)", fontsize=10)
     bottom.set_ylabel("KV cache (MiB)")
@@ -223,23 +227,27 @@ def plot_results(records: list[dict[str, Any]], path: Path, context: int | None 
 
 
 def summary_table(records: list[dict[str, Any]]) -> str:
-    """Markdown: overall perplexity, perplexity before/after the model context, peak KV MiB, speed."""
+    """Markdown: perplexity over each source of the stream (windows assigned by their middle), KV memory, speed."""
+    meta = records[0]["stream"]
+    names = [Path(source["name"]).stem.split("_")[0] for source in meta["sources"]]
+    edges = [0, *meta["boundaries"], max(r["tokens"] for r in records)]
+    header = " | ".join(f"{name} (tokens {a:,}-{b:,})" for name, a, b in zip(names, edges, edges[1:], strict=False))
     rows = [
-        "| run | tokens | ppl (all) | ppl, windows 1-8 | ppl, windows 9+ | KV cache at end | tokens/s |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        f"| run | tokens | ppl (all) | {header} | KV cache at end | tokens/s |",
+        "|---|---:|---:|" + "---:|" * (len(edges) - 1) + "---:|---:|",
     ]
 
-    def mean_ppl(windows):
-        total = sum(w["nll"] * (w["end"] - w["start"]) for w in windows)
-        count = sum(w["end"] - w["start"] for w in windows)
+    def segment_ppl(windows, a, b):
+        inside = [w for w in windows if a <= (w["start"] + w["end"]) / 2 < b]
+        count = sum(w["end"] - w["start"] for w in inside)
+        total = sum(w["nll"] * (w["end"] - w["start"]) for w in inside)
         return f"{math.exp(total / count):.2f}" if count else "-"
 
     for r in sorted(records, key=lambda r: (r["policy"] == "full", not r["streaming"], r["size"] or 0, r["policy"])):
-        windows = r["windows"]
+        cells = " | ".join(segment_ppl(r["windows"], a, b) for a, b in zip(edges, edges[1:], strict=False))
         end_mib = r["memory"][-1]["kv_bytes"] / 2**20
         rows.append(
-            f"| {r['run']} | {r['tokens']} | {r['ppl']:.2f} | {mean_ppl(windows[:8])} | {mean_ppl(windows[8:])} "
-            f"| {end_mib:.1f} MiB | {r['tokens_per_s']:.1f} |"
+            f"| {r['run']} | {r['tokens']:,} | {r['ppl']:.2f} | {cells} | {end_mib:.1f} MiB | {r['tokens_per_s']:.1f} |"
         )
     return "\n".join(rows)
 
