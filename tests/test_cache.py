@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import greedy_generate, random_prompt
 from reference import reference_generate, reference_logits
 
 from h2o_kv import H2OCache, load_model
@@ -18,34 +19,14 @@ def tiny(tiny_models):
     return {family: load_model(path, device="cpu")[0] for family, path in tiny_models.items()}
 
 
-def prompt(length: int, seed: int = 1, batch: int = 1) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 500, (batch, length), generator=generator)
-
-
-def library_generate(model, ids, cache, new_tokens, attention_mask=None):
-    out = model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids) if attention_mask is None else attention_mask,
-        past_key_values=cache,
-        max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens,
-        do_sample=False,
-        output_logits=True,
-        return_dict_in_generate=True,
-        pad_token_id=0,
-    )
-    return out.sequences[:, ids.shape[1] :], torch.stack(out.logits, dim=1)
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("policy", ["h2o", "local", "sink", "tova"])
 def test_matches_reference(tiny, family, policy):
     model = tiny[family]
-    ids = prompt(48)
+    ids = random_prompt(48)
     expected, expected_logits = reference_generate(model, ids, 24, heavy=6, recent=10, policy=policy)
     cache = H2OCache(heavy=6, recent=10, policy=policy)
-    tokens, logits = library_generate(model, ids, cache, 24)
+    tokens, logits = greedy_generate(model, ids, cache, 24)
     assert tokens[0].tolist() == expected[0]
     torch.testing.assert_close(logits[0], expected_logits, atol=1e-4, rtol=1e-4)
     assert cache.stats()["evicted_tokens"] > 0
@@ -53,10 +34,10 @@ def test_matches_reference(tiny, family, policy):
 
 @pytest.mark.parametrize("family", ["llama", "opt"])
 def test_heavy_only_and_recent_only_match_reference(tiny, family):
-    ids = prompt(40, seed=3)
+    ids = random_prompt(40, seed=3)
     for heavy, recent in ((12, 0), (0, 12), (1, 1)):
         expected, _ = reference_generate(tiny[family], ids, 16, heavy=heavy, recent=recent)
-        tokens, _ = library_generate(tiny[family], ids, H2OCache(heavy=heavy, recent=recent), 16)
+        tokens, _ = greedy_generate(tiny[family], ids, H2OCache(heavy=heavy, recent=recent), 16)
         assert tokens[0].tolist() == expected[0], (heavy, recent)
 
 
@@ -64,13 +45,13 @@ def test_heavy_only_and_recent_only_match_reference(tiny, family):
 def test_multi_turn_matches_reference(tiny, family):
     """A second generate call on the same cache continues at the right positions, with eviction."""
     model = tiny[family]
-    ids, turn = prompt(40), prompt(12, seed=7)[0].tolist()
+    ids, turn = random_prompt(40), random_prompt(12, seed=7)[0].tolist()
     expected, expected_logits = reference_generate(model, ids, 10, heavy=6, recent=8, turns=[turn])
     cache = H2OCache(heavy=6, recent=8)
-    first, logits1 = library_generate(model, ids, cache, 10)
+    first, logits1 = greedy_generate(model, ids, cache, 10)
     history = torch.cat([ids, first, torch.tensor([turn])], dim=1)
     assert cache.get_seq_length() == ids.shape[1] + 9  # the last generated token is not fed yet
-    second, logits2 = library_generate(model, history, cache, 10)
+    second, logits2 = greedy_generate(model, history, cache, 10)
     assert [first[0].tolist(), second[0].tolist()] == expected
     torch.testing.assert_close(torch.cat([logits1[0], logits2[0]]), expected_logits, atol=1e-4, rtol=1e-4)
 
@@ -78,17 +59,17 @@ def test_multi_turn_matches_reference(tiny, family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_budget_covering_everything_equals_plain_generate(tiny, family):
     model = tiny[family]
-    ids = prompt(30)
+    ids = random_prompt(30)
     plain = model.generate(
         ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=0
     )
     with pytest.warns(UserWarning, match="nothing is evicted"):
         cache = H2OCache(heavy=40, recent=40)
-        tokens, _ = library_generate(model, ids, cache, 20)
+        tokens, _ = greedy_generate(model, ids, cache, 20)
     assert torch.equal(tokens, plain[:, 30:])
     assert cache.stats()["evicted_tokens"] == 0
     with pytest.warns(UserWarning, match="nothing is evicted"):  # budget=1.0: H + R = L, eviction starts after
-        tokens, _ = library_generate(model, ids, H2OCache(budget=1.0), 1)
+        tokens, _ = greedy_generate(model, ids, H2OCache(budget=1.0), 1)
     assert torch.equal(tokens, plain[:, 30:31])
 
 
@@ -97,16 +78,16 @@ def test_budget_covering_everything_equals_plain_generate(tiny, family):
 def test_padded_batch_equals_one_by_one(tiny, family, policy):
     model = tiny[family]
     lengths = (44, 29, 36)
-    prompts = [prompt(n, seed=n)[0] for n in lengths]
+    prompts = [random_prompt(n, seed=n)[0] for n in lengths]
     width = max(lengths)
     batch = torch.zeros(len(prompts), width, dtype=torch.long)
     mask = torch.zeros_like(batch)
     for row, ids in enumerate(prompts):
         batch[row, width - len(ids) :] = ids
         mask[row, width - len(ids) :] = 1
-    batched, batched_logits = library_generate(model, batch, H2OCache(heavy=5, recent=7, policy=policy), 16, mask)
+    batched, batched_logits = greedy_generate(model, batch, H2OCache(heavy=5, recent=7, policy=policy), 16, mask)
     for row, ids in enumerate(prompts):
-        single, single_logits = library_generate(model, ids[None], H2OCache(heavy=5, recent=7, policy=policy), 16)
+        single, single_logits = greedy_generate(model, ids[None], H2OCache(heavy=5, recent=7, policy=policy), 16)
         assert batched[row].tolist() == single[0].tolist(), f"row {row}"
         torch.testing.assert_close(batched_logits[row], single_logits[0], atol=1e-4, rtol=1e-4)
 
@@ -125,7 +106,7 @@ def test_every_layer_stays_bounded(tiny, monkeypatch):
 
     monkeypatch.setattr(H2OLayer, "commit", watched)
     cache = H2OCache(heavy=heavy, recent=recent)
-    library_generate(tiny["llama"], prompt(60, batch=2), cache, 30)
+    greedy_generate(tiny["llama"], random_prompt(60, batch=2), cache, 30)
     assert worst["entries"] == heavy + recent + 1
     assert worst["slots"] == heavy + recent + 1
     stats = cache.stats()
@@ -135,7 +116,7 @@ def test_every_layer_stays_bounded(tiny, monkeypatch):
 
 def test_stepwise_equals_token_by_token(tiny):
     """One batched stepwise forward == feeding the tokens one at a time through H2OCache == the reference."""
-    model, ids = tiny["llama"], prompt(50)
+    model, ids = tiny["llama"], random_prompt(50)
     with torch.no_grad():
         fast = model(ids, past_key_values=H2OCache(heavy=6, recent=6, stepwise=True)).logits[0]
         cache = H2OCache(heavy=6, recent=6)
@@ -146,11 +127,9 @@ def test_stepwise_equals_token_by_token(tiny):
 
 def test_prefill_query_chunks_do_not_change_results(tiny):
     """Walking the prompt in tiny query chunks (bounded memory) gives the same scores and tokens."""
-    ids = prompt(64)
-    big, big_logits = library_generate(tiny["mistral"], ids, H2OCache(heavy=8, recent=8), 12)
-    small, small_logits = library_generate(
-        tiny["mistral"], ids, H2OCache(heavy=8, recent=8, prefill_chunk_mb=0.001), 12
-    )
+    ids = random_prompt(64)
+    big, big_logits = greedy_generate(tiny["mistral"], ids, H2OCache(heavy=8, recent=8), 12)
+    small, small_logits = greedy_generate(tiny["mistral"], ids, H2OCache(heavy=8, recent=8, prefill_chunk_mb=0.001), 12)
     assert torch.equal(big, small)
     torch.testing.assert_close(big_logits, small_logits, atol=1e-5, rtol=1e-5)
 
@@ -159,7 +138,7 @@ def test_prefill_query_chunks_do_not_change_results(tiny):
 def test_half_precision_runs_bounded(tiny_models, dtype):
     model, _ = load_model(tiny_models["llama"], dtype=dtype, device="cpu")
     cache = H2OCache(heavy=4, recent=4)
-    tokens, logits = library_generate(model, prompt(32), cache, 8)
+    tokens, logits = greedy_generate(model, random_prompt(32), cache, 8)
     assert logits.dtype == torch.float32 or logits.dtype == dtype
     assert torch.isfinite(logits).all()
     assert cache.stats()["kv_tokens"] == 8
@@ -168,7 +147,7 @@ def test_half_precision_runs_bounded(tiny_models, dtype):
 
 def test_budget_ratio_uses_longest_prompt(tiny):
     cache = H2OCache(budget=0.2)
-    library_generate(tiny["llama"], prompt(100), cache, 4)
+    greedy_generate(tiny["llama"], random_prompt(100), cache, 4)
     assert (cache.heavy, cache.recent) == (10, 10)
     assert cache.stats()["kv_tokens"] == 20
 
@@ -178,10 +157,10 @@ def test_without_h2o_attention_the_cache_refuses(tiny, tiny_models):
 
     plain = AutoModelForCausalLM.from_pretrained(tiny_models["llama"], attn_implementation="sdpa")
     with pytest.raises(RuntimeError, match="enable_h2o"):
-        plain(prompt(20), past_key_values=H2OCache(heavy=4, recent=4))
+        plain(random_prompt(20), past_key_values=H2OCache(heavy=4, recent=4))
     # the failed forward leaves nothing behind: the next cache in this thread works
-    expected, _ = reference_generate(tiny["llama"], prompt(30), 6, heavy=4, recent=4)
-    tokens, _ = library_generate(tiny["llama"], prompt(30), H2OCache(heavy=4, recent=4), 6)
+    expected, _ = reference_generate(tiny["llama"], random_prompt(30), 6, heavy=4, recent=4)
+    tokens, _ = greedy_generate(tiny["llama"], random_prompt(30), H2OCache(heavy=4, recent=4), 6)
     assert tokens[0].tolist() == expected[0]
 
 
@@ -209,4 +188,4 @@ def test_bad_arguments_raise(kwargs, message):
 
 def test_budget_that_keeps_nothing_raises(tiny):
     with pytest.raises(ValueError, match="keeps no entry"):
-        library_generate(tiny["llama"], prompt(4), H2OCache(budget=0.2), 2)
+        greedy_generate(tiny["llama"], random_prompt(4), H2OCache(budget=0.2), 2)

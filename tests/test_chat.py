@@ -13,6 +13,7 @@ import warnings
 
 import pytest
 import torch
+from helpers import quiet_generate
 
 from h2o_kv import H2OCache
 from h2o_kv.chat import ChatSession, continue_generation, run_chat
@@ -22,15 +23,6 @@ from h2o_kv.models import load_model
 @pytest.fixture(scope="module")
 def llama(tiny_models):
     return load_model(tiny_models["llama"])[0]
-
-
-def _greedy(model, ids, cache, new):
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="H2OCache budget")
-        return model.generate(
-            ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=new, min_new_tokens=new,
-            do_sample=False, pad_token_id=0,
-        )  # fmt: skip
 
 
 @pytest.mark.parametrize("streaming", [False, True])
@@ -47,7 +39,7 @@ def test_continue_generation_equals_generating_over_the_full_history(llama, stre
         second = continue_generation(llama, cache, turn2, **options)
     assert torch.equal(second[:, :12], turn2)  # sequences = the new tokens + the reply
     history = torch.cat([first, turn2], dim=1)
-    reference = _greedy(llama, history, H2OCache(heavy=100, recent=100), 10)
+    reference = quiet_generate(llama, history, H2OCache(heavy=100, recent=100), 10)
     assert torch.equal(second[:, 12:], reference[:, history.shape[1] :])
     assert cache.get_seq_length() == history.shape[1] + 10  # every returned token is in the cache
 
@@ -67,7 +59,7 @@ def test_continue_generation_after_plain_generate_and_without_feed_last(llama):
                 nxt = turn2
             else:
                 if how == "plain":
-                    first = _greedy(llama, turn1, cache, 5)
+                    first = quiet_generate(llama, turn1, cache, 5)
                 else:
                     first = continue_generation(llama, cache, turn1, feed_last=False, **opts)
                 assert cache.get_seq_length() == 14
@@ -112,7 +104,7 @@ def test_continue_generation_bad_input(llama):
     cache = H2OCache(heavy=4, recent=4)
     with pytest.raises(ValueError, match="n >= 1 new tokens"):
         continue_generation(llama, cache, torch.zeros(1, 0, dtype=torch.long))
-    _greedy(llama, torch.randint(3, 512, (1, 6)), cache, 2)
+    quiet_generate(llama, torch.randint(3, 512, (1, 6)), cache, 2)
     with pytest.raises(ValueError, match="attention_mask must cover"):
         continue_generation(llama, cache, torch.ones(1, 3, dtype=torch.long), torch.ones(1, 5, dtype=torch.long))
 

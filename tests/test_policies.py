@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import greedy_generate, random_prompt
 from reference import reference_generate, reference_logits
 
 from h2o_kv import POLICIES, H2OCache, load_model
@@ -14,25 +15,6 @@ from h2o_kv.policies.random import random_keys
 @pytest.fixture(scope="module")
 def tiny(tiny_models):
     return {family: load_model(tiny_models[family], device="cpu")[0] for family in ("llama", "opt", "gpt_neox")}
-
-
-def prompt(length: int, seed: int = 1, batch: int = 1) -> torch.Tensor:
-    return torch.randint(3, 500, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
-def generate(model, ids, cache, new_tokens, attention_mask=None):
-    out = model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids) if attention_mask is None else attention_mask,
-        past_key_values=cache,
-        max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens,
-        do_sample=False,
-        output_logits=True,
-        return_dict_in_generate=True,
-        pad_token_id=0,
-    )
-    return out.sequences[:, ids.shape[1] :], torch.stack(out.logits, dim=1)
 
 
 def kept_positions(cache: H2OCache, layer: int, head: int, batch: int = 0) -> set[int]:
@@ -58,17 +40,17 @@ def test_registry_and_bad_options():
 @pytest.mark.parametrize("family", ["llama", "gpt_neox"])
 def test_tova_matches_reference(tiny, family):
     model = tiny[family]
-    ids = prompt(40, seed=5)
+    ids = random_prompt(40, seed=5)
     expected, expected_logits = reference_generate(model, ids, 20, heavy=5, recent=7, policy="tova")
     cache = H2OCache(heavy=5, recent=7, policy="tova")
-    tokens, logits = generate(model, ids, cache, 20)
+    tokens, logits = greedy_generate(model, ids, cache, 20)
     assert tokens[0].tolist() == expected[0]
     torch.testing.assert_close(logits[0], expected_logits, atol=1e-4, rtol=1e-4)
     assert cache.stats()["kv_tokens"] == 12
 
 
 def test_tova_stepwise_matches_reference_and_differs_from_h2o(tiny):
-    model, ids = tiny["llama"], prompt(48, seed=7)
+    model, ids = tiny["llama"], random_prompt(48, seed=7)
     with torch.no_grad():
         tova = model(ids, past_key_values=H2OCache(heavy=4, recent=4, policy="tova", stepwise=True)).logits[0]
         h2o = model(ids, past_key_values=H2OCache(heavy=4, recent=4, policy="h2o", stepwise=True)).logits[0]
@@ -78,7 +60,7 @@ def test_tova_stepwise_matches_reference_and_differs_from_h2o(tiny):
 
 def test_tova_has_no_protected_recent_window(tiny):
     """With TOVA the just-written token may be the one evicted, so the newest column is not always kept."""
-    model, ids = tiny["llama"], prompt(64, seed=2)
+    model, ids = tiny["llama"], random_prompt(64, seed=2)
     newest_evicted = 0
     cache = H2OCache(heavy=2, recent=2, policy="tova")
     with torch.no_grad():
@@ -125,7 +107,7 @@ def _pool(values: list[float], kernel: int, pooling: str) -> list[float]:
 def test_snapkv_prompt_selection_by_hand(tiny, pooling):
     """The kept prompt entries equal a plain computation from eager full attention, and decode evicts nothing."""
     model, length, window, kernel, heavy, recent = tiny["llama"], 40, 6, 5, 7, 5
-    ids = prompt(length, seed=11)
+    ids = random_prompt(length, seed=11)
     with torch.no_grad():
         model.set_attn_implementation("eager")
         try:
@@ -133,7 +115,7 @@ def test_snapkv_prompt_selection_by_hand(tiny, pooling):
         finally:
             model.set_attn_implementation("h2o")
     cache = H2OCache(heavy=heavy, recent=recent, policy="snapkv", window=window, kernel=kernel, pooling=pooling)
-    tokens, _ = generate(model, ids, cache, 6)
+    tokens, _ = greedy_generate(model, ids, cache, 6)
     kv_heads = cache.layers[0].keys.shape[1]
     for layer, attention in enumerate(attentions):
         group = attention.shape[1] // kv_heads
@@ -155,7 +137,7 @@ def test_snapkv_prompt_selection_by_hand(tiny, pooling):
 
 
 def test_random_keeps_recent_plus_a_seeded_random_subset(tiny):
-    model, ids, heavy, recent = tiny["llama"], prompt(40, seed=4), 6, 4
+    model, ids, heavy, recent = tiny["llama"], random_prompt(40, seed=4), 6, 4
 
     def run(seed):
         cache = H2OCache(heavy=heavy, recent=recent, policy="random", seed=seed, stepwise=True)
@@ -177,13 +159,13 @@ def test_random_keeps_recent_plus_a_seeded_random_subset(tiny):
 
 def test_random_subset_ignores_batch_padding(tiny):
     model = tiny["opt"]
-    short, long = prompt(30, seed=8), prompt(38, seed=9)
+    short, long = random_prompt(30, seed=8), random_prompt(38, seed=9)
     batch = torch.cat([torch.cat([torch.zeros(1, 8, dtype=torch.long), short], 1), long])
     mask = torch.ones_like(batch)
     mask[0, :8] = 0
-    expected_short, _ = generate(model, short, H2OCache(heavy=5, recent=5, policy="random"), 12)
-    expected_long, _ = generate(model, long, H2OCache(heavy=5, recent=5, policy="random"), 12)
-    tokens, _ = generate(model, batch, H2OCache(heavy=5, recent=5, policy="random"), 12, attention_mask=mask)
+    expected_short, _ = greedy_generate(model, short, H2OCache(heavy=5, recent=5, policy="random"), 12)
+    expected_long, _ = greedy_generate(model, long, H2OCache(heavy=5, recent=5, policy="random"), 12)
+    tokens, _ = greedy_generate(model, batch, H2OCache(heavy=5, recent=5, policy="random"), 12, attention_mask=mask)
     assert tokens[0].tolist() == expected_short[0].tolist()
     assert tokens[1].tolist() == expected_long[0].tolist()
 

@@ -6,6 +6,7 @@ import warnings
 
 import pytest
 import torch
+from helpers import quiet_generate
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import h2o_kv
@@ -19,15 +20,6 @@ ROPE_FAMILIES = ("llama", "mistral", "qwen2", "gpt_neox")  # gpt_neox: partial r
 def tiny(tiny_models):
     """family -> tiny model with the 'h2o' attention (and the rotary table registered)."""
     return {family: load_model(path)[0] for family, path in tiny_models.items()}
-
-
-def _quiet_generate(model, ids, cache, new, **kwargs):
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="H2OCache budget")
-        return model.generate(
-            ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=new,
-            min_new_tokens=new, do_sample=False, pad_token_id=0, **kwargs,
-        )  # fmt: skip
 
 
 @pytest.mark.parametrize("rotary_dim", [16, 4])
@@ -58,8 +50,8 @@ def test_same_tokens_as_plain_cache_while_nothing_is_evicted(tiny, family):
     """Budget larger than the sequence: in-cache positions equal absolute ones, so streaming changes nothing."""
     model = tiny[family]
     ids = torch.randint(3, 512, (1, 40), generator=torch.Generator().manual_seed(1))
-    plain = _quiet_generate(model, ids, H2OCache(heavy=64, recent=64), 40)
-    streamed = _quiet_generate(model, ids, H2OCache(heavy=64, recent=64, streaming=True), 40)
+    plain = quiet_generate(model, ids, H2OCache(heavy=64, recent=64), 40)
+    streamed = quiet_generate(model, ids, H2OCache(heavy=64, recent=64, streaming=True), 40)
     assert torch.equal(plain, streamed)
     with torch.no_grad():  # teacher-forced logits, prompt-chunk path and stepwise path
         reference = model(ids, past_key_values=H2OCache(heavy=64, recent=64)).logits
@@ -85,7 +77,7 @@ def test_runs_three_times_past_the_window_with_bounded_layers(tiny, policy, monk
     cache = H2OCache(heavy=heavy, recent=recent, policy=policy, streaming=True)
     ids = torch.randint(3, 512, (1, 24), generator=torch.Generator().manual_seed(2))
     new = 3 * limit
-    out = _quiet_generate(model, ids, cache, new)
+    out = quiet_generate(model, ids, cache, new)
     assert out.shape[1] == 24 + new
     stats = cache.stats()
     assert stats["seen_tokens"] == 24 + new - 1  # the last token is never fed back
@@ -145,7 +137,7 @@ def test_padded_batch_equals_single_sequences(tiny):
     model = tiny["llama"]
     gen = torch.Generator().manual_seed(4)
     a, b = torch.randint(3, 512, (1, 30), generator=gen), torch.randint(3, 512, (1, 20), generator=gen)
-    single = [_quiet_generate(model, x, H2OCache(heavy=8, recent=8, streaming=True), 30)[0, -30:] for x in (a, b)]
+    single = [quiet_generate(model, x, H2OCache(heavy=8, recent=8, streaming=True), 30)[0, -30:] for x in (a, b)]
     batch = torch.cat([a, torch.cat([torch.zeros(1, 10, dtype=torch.long), b], dim=1)])
     mask = torch.ones_like(batch)
     mask[1, :10] = 0
@@ -160,7 +152,7 @@ def test_padded_batch_equals_single_sequences(tiny):
 
 def test_streaming_rejects_models_without_rope(tiny):
     with pytest.raises(ValueError, match="learned absolute positions"):
-        _quiet_generate(tiny["opt"], torch.randint(3, 512, (1, 8)), H2OCache(heavy=4, recent=4, streaming=True), 2)
+        quiet_generate(tiny["opt"], torch.randint(3, 512, (1, 8)), H2OCache(heavy=4, recent=4, streaming=True), 2)
 
 
 def test_streaming_needs_enable_h2o(tiny_models):
@@ -168,7 +160,7 @@ def test_streaming_needs_enable_h2o(tiny_models):
     h2o_kv.register_attention()
     model.set_attn_implementation("h2o")  # no enable_h2o: the rotary table is unknown
     with pytest.raises(RuntimeError, match="enable_h2o"):
-        _quiet_generate(model, torch.randint(3, 512, (1, 8)), H2OCache(heavy=4, recent=4, streaming=True), 2)
+        quiet_generate(model, torch.randint(3, 512, (1, 8)), H2OCache(heavy=4, recent=4, streaming=True), 2)
 
 
 def test_streaming_bad_settings():

@@ -21,7 +21,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .results import SHARED_DATA, ItemLog, sha256, write_result
+from .prompts import chat_prompt_ids, generate_text, has_chat_template
+from .results import SHARED_DATA, ItemLog, finish_result, item_log_path, sha256
 from .tasks import KVRunner, KVSpec
 
 HAYSTACK_DIR = "haystack/PaulGrahamEssays"
@@ -110,11 +111,8 @@ class NeedleJob:
     def prompt_ids(self, tokenizer, length: int, depth: int) -> tuple[list[int], int]:
         document, at = self.document(tokenizer, length, depth)
         content = PROMPT.format(document=document.strip(), question=QUESTION)
-        if getattr(tokenizer, "chat_template", None):
-            ids = tokenizer.apply_chat_template(
-                [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=True, return_dict=False
-            )
-            ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        if has_chat_template(tokenizer):
+            ids = chat_prompt_ids(tokenizer, content)
         else:
             ids = tokenizer.encode(content + "\nAnswer:", add_special_tokens=False)
         return ids, at
@@ -140,14 +138,11 @@ def run_needle(
     keep_item_log: bool = False,
 ) -> dict[str, Any]:
     """Run the grid (resumable per cell), write the JSON and, with ``png``, the heatmap (depth x length)."""
-    from .tasks import item_log_path
-
     runner = KVRunner(model, job.spec)
     log = None
     if json_path is not None:
         settings = {"model": model_name, **asdict(job.spec), "needle": NEEDLE, "question": QUESTION}
         log = ItemLog(item_log_path(json_path), settings)
-    eos = tokenizer.eos_token_id
     start = time.time()
     cells = []
     for length in job.lengths:
@@ -157,8 +152,8 @@ def run_needle(
                 cells.append(log.done[key])
             else:
                 ids, at = job.prompt_ids(tokenizer, length, depth)
-                tokens, session = runner.generate(ids, MAX_NEW_TOKENS, eos_ids=[] if eos is None else [eos])
-                answer = tokenizer.decode(tokens, skip_special_tokens=True).strip()
+                text, session = generate_text(runner, tokenizer, ids, MAX_NEW_TOKENS)
+                answer = text.strip()
                 cell = {
                     "key": key, "length": length, "depth": depth, "prompt_tokens": len(ids), "needle_at": at,
                     "kept": session.kept, "answer": answer, "score": score_answer(answer),
@@ -194,14 +189,7 @@ def run_needle(
         "time_s": round(time.time() - start, 1),
         **(extra or {}),
     }
-    if json_path is None:
-        from .results import versions
-
-        record = {"kind": "needle", **fields, "metrics": metrics, "versions": versions()}
-    else:
-        record = write_result(json_path, "needle", metrics, **fields)
-        if log is not None and not keep_item_log:
-            log.path.unlink(missing_ok=True)
+    record = finish_result(json_path, "needle", metrics, fields, keep_item_log=keep_item_log)
     if png is not None:
         plot_heatmaps([record, *compare], png)
     return record

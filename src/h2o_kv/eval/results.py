@@ -72,6 +72,30 @@ def write_result(path: str | Path, kind: str, metrics: dict[str, Any], **fields:
     return record
 
 
+def item_log_path(json_path: str | Path) -> Path:
+    """The item log of the run that writes ``json_path``: ``<stem>.items.jsonl`` next to it."""
+    path = Path(json_path)
+    return path.with_name(path.stem + ".items.jsonl")
+
+
+def finish_result(
+    json_path: str | Path | None,
+    kind: str,
+    metrics: dict[str, Any],
+    fields: dict[str, Any],
+    *,
+    keep_item_log: bool = False,
+) -> dict[str, Any]:
+    """The record of a finished run: written to ``json_path`` (:func:`write_result`), after which the run's item
+    log is deleted unless ``keep_item_log``; without a path, returned unwritten (no ``created`` stamp)."""
+    if json_path is None:
+        return {"kind": kind, **fields, "metrics": metrics, "versions": versions()}
+    record = write_result(json_path, kind, metrics, **fields)
+    if not keep_item_log:
+        item_log_path(json_path).unlink(missing_ok=True)
+    return record
+
+
 class ItemLog:
     """Append-only JSONL of finished items keyed by ``key``: lets a long run resume where it stopped."""
 

@@ -36,7 +36,8 @@ import torch
 
 from ..peers import check_press, press_expand, press_extend, press_prefill, require_kvpress
 from ..policies import POLICIES
-from .results import ItemLog, data_path, sha256, write_result
+from .prompts import generate_text
+from .results import ItemLog, data_path, finish_result, item_log_path, sha256
 
 TASK_CONFIG_DIR = Path(__file__).parent / "task_configs"
 DEFAULT_TASKS = ("piqa", "openbookqa", "rte", "mathqa", "hellaswag", "lambada")
@@ -454,15 +455,10 @@ class H2OKVLM(_Base):
 
     def generate_text(self, context_ids: list[int], max_new_tokens: int, until: Sequence[str]) -> str:
         """Greedy continuation of ``context_ids``, cut before the first ``until`` string."""
-
-        def stop(tokens: list[int]) -> bool:
-            return any(s in self.tokenizer.decode(tokens, skip_special_tokens=True) for s in until)
-
-        tokens, session = self.runner.generate(context_ids, max_new_tokens, eos_ids=[self.eot_token_id], stop=stop)
+        text, session = generate_text(
+            self.runner, self.tokenizer, context_ids, max_new_tokens, until=until, eos_ids=[self.eot_token_id]
+        )
         self.kept_fraction.append(session.kept / session.context_length)
-        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        for s in until:
-            text = text.split(s)[0]
         return text
 
 
@@ -595,11 +591,6 @@ class TasksJob:
         return {"name": ",".join(self.tasks), "sha256": combined, "files": files}
 
 
-def item_log_path(json_path: str | Path) -> Path:
-    path = Path(json_path)
-    return path.with_name(path.stem + ".items.jsonl")
-
-
 def _metric(values: dict[str, Any], name: str) -> float | None:
     value = values.get(f"{name},none")
     return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
@@ -694,14 +685,7 @@ def run_tasks(
         "time_s": round(elapsed, 1),
         **(extra or {}),
     }
-    if json_path is None:
-        from .results import versions
-
-        return {"kind": "tasks", **fields, "metrics": metrics, "versions": versions()}
-    record = write_result(json_path, "tasks", metrics, **fields)
-    if log_path is not None and log_path.exists() and not keep_item_log:
-        log_path.unlink()
-    return record
+    return finish_result(json_path, "tasks", metrics, fields, keep_item_log=keep_item_log)
 
 
 def summary_lines(record: dict[str, Any]) -> list[str]:

@@ -23,7 +23,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .results import ItemLog, data_path, sha256, write_result
+from .prompts import chat_prompt_ids, generate_text, has_chat_template
+from .results import ItemLog, data_path, finish_result, item_log_path, sha256
 from .tasks import KVRunner, KVSpec
 
 XSUM_FILE = "xsum/xsum_0shot.jsonl"
@@ -84,12 +85,9 @@ class XsumJob:
         return f"XSUM 0-shot ({prompt}{'' if self.limit is None else f', limit {self.limit}'})"
 
     def prompt_ids(self, tokenizer, article: str) -> list[int]:
-        if self.raw_prompt or not getattr(tokenizer, "chat_template", None):
+        if self.raw_prompt or not has_chat_template(tokenizer):
             return tokenizer.encode(article, add_special_tokens=False)
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": article}], add_generation_prompt=True, tokenize=True, return_dict=False
-        )
-        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        return chat_prompt_ids(tokenizer, article)
 
 
 def rouge_scores(prediction: str, reference: str) -> dict[str, float]:
@@ -103,16 +101,7 @@ def rouge_scores(prediction: str, reference: str) -> dict[str, float]:
 
 def summarize(runner: KVRunner, tokenizer, ids: list[int], max_tokens: int, stop: list[str]) -> tuple[str, Any]:
     """Greedy summary of a prompt under the runner's KV setting, cut before the first stop string."""
-
-    def stopped(tokens: list[int]) -> bool:
-        text = tokenizer.decode(tokens, skip_special_tokens=True)
-        return any(s in text for s in stop)
-
-    eos = tokenizer.eos_token_id
-    tokens, session = runner.generate(ids, max_tokens, eos_ids=[] if eos is None else [eos], stop=stopped)
-    text = tokenizer.decode(tokens, skip_special_tokens=True)
-    for s in stop:
-        text = text.split(s)[0]
+    text, session = generate_text(runner, tokenizer, ids, max_tokens, until=stop)
     return text.strip(), session
 
 
@@ -135,8 +124,6 @@ def run_xsum(
     keep_item_log: bool = False,
 ) -> dict[str, Any]:
     """Summarize every item, score it, write the result JSON (``rouge1/2/L`` means with ``_stderr``)."""
-    from .tasks import item_log_path
-
     runner = KVRunner(model, job.spec)
     log = None
     if json_path is not None:
@@ -189,14 +176,7 @@ def run_xsum(
         "time_s": round(time.time() - start, 1),
         **(extra or {}),
     }
-    if json_path is None:
-        from .results import versions
-
-        return {"kind": "xsum", **fields, "metrics": metrics, "versions": versions()}
-    record = write_result(json_path, "xsum", metrics, **fields)
-    if log is not None and not keep_item_log:
-        log.path.unlink(missing_ok=True)
-    return record
+    return finish_result(json_path, "xsum", metrics, fields, keep_item_log=keep_item_log)
 
 
 # -- `h2o-kv eval sweep --kind xsum` ----------------------------------------------------------------------------

@@ -1,0 +1,44 @@
+"""Small helpers shared by the test modules (the fixtures are in conftest.py)."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+
+def random_prompt(length: int, seed: int = 1, batch: int = 1) -> torch.Tensor:
+    """``[batch, length]`` random token ids in ``[3, 500)``, reproducible from ``seed``."""
+    return torch.randint(3, 500, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def greedy_generate(model, ids, cache, new_tokens, attention_mask=None, pad_token_id: int | None = 0):
+    """Exactly ``new_tokens`` greedy tokens after ``ids`` with ``cache``.
+
+    Returns (new tokens [batch, new_tokens], logits [batch, new_tokens, vocab]). ``attention_mask`` defaults to all
+    ones; ``pad_token_id=None`` leaves the model's own generation config.
+    """
+    pad = {} if pad_token_id is None else {"pad_token_id": pad_token_id}
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids) if attention_mask is None else attention_mask,
+        past_key_values=cache,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        **pad,
+    )
+    return out.sequences[:, ids.shape[1] :], torch.stack(out.logits, dim=1)
+
+
+def quiet_generate(model, ids, cache, new_tokens, **kwargs):
+    """Exactly ``new_tokens`` greedy tokens (pad id 0); returns the sequences. The cache's "budget >= prompt
+    length" warning is silenced (expected with the small prompts of the tests)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="H2OCache budget")
+        return model.generate(
+            ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, **kwargs,
+        )  # fmt: skip
