@@ -79,6 +79,14 @@ class H2OLayer(CacheLayerMixin):
         self.seen = 0
         self.peak_entries = 0
         self._pending: _Steps | _Chunk | None = None
+        self._forget_slot_state()
+
+    def _forget_slot_state(self) -> None:
+        """Drop what the decode fast path knows about the slots (after anything but a decode step moved them)."""
+        # `_free`: the only free slot of every (sequence, head), [batch, heads, 1], when the last eviction left
+        # exactly one; `full`: every slot holds a valid entry. Both let a decode step skip searches and counts.
+        self._free: torch.Tensor | None = None
+        self.full = False
 
     # -- storage -------------------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -91,6 +99,7 @@ class H2OLayer(CacheLayerMixin):
         self.scores = torch.zeros((batch, heads, 0), dtype=torch.float32, device=self.device)
         self.start = torch.full((batch,), NO_START, dtype=torch.long, device=self.device)
         self._all_started = False
+        self._forget_slot_state()
         self.is_initialized = True
 
     @property
@@ -115,6 +124,7 @@ class H2OLayer(CacheLayerMixin):
         self.keys, self.values = resized(self.keys, 0), resized(self.values, 0)
         self.pos, self.valid = resized(self.pos, -1), resized(self.valid, False)
         self.scores = resized(self.scores, 0.0)
+        self._forget_slot_state()
 
     def entry_count(self) -> torch.Tensor:
         """Valid entries per (sequence, KV head)."""
@@ -160,10 +170,12 @@ class H2OLayer(CacheLayerMixin):
 
     def write_step(self, key: torch.Tensor, value: torch.Tensor, is_real: torch.Tensor | None) -> None:
         """Write one token (``[batch, heads, 1, dim]``) into a free slot of every (sequence, head), in place."""
-        # (a buffer already at max_slots cannot grow: skip the count, a sync, on the bounded hot path)
-        if self.slots < self.max_slots and int(self.entry_count().max()) >= self.slots:
-            self._resize(int(min(self.max_slots, self.slots + max(16, self.slots // 4))))
-        free = self.valid.byte().argmin(-1, keepdim=True)  # [batch, heads, 1]: the first free slot
+        free = self._free  # known when the last eviction left exactly one free slot everywhere (steady state)
+        if free is None:
+            # (a buffer already at max_slots cannot grow: skip the count, a sync, on the bounded hot path)
+            if self.slots < self.max_slots and int(self.entry_count().max()) >= self.slots:
+                self._resize(int(min(self.max_slots, self.slots + max(16, self.slots // 4))))
+            free = self.valid.byte().argmin(-1, keepdim=True)  # [batch, heads, 1]: the first free slot
         for buffer, new in ((self.keys, key), (self.values, value)):
             buffer.scatter_(2, free.unsqueeze(-1).expand(-1, -1, -1, new.shape[-1]), new)
         self.pos.scatter_(2, free, self.seen)
@@ -172,6 +184,9 @@ class H2OLayer(CacheLayerMixin):
         self.scores.scatter_(2, free, 0.0)
         if not self._all_started:
             self._note_start(self.valid.new_ones(self.valid.shape[0])[:, None] if is_real is None else is_real[:, None])
+        # the only free slot got a real token everywhere: no slot is free now
+        self.full = self._free is not None and (is_real is None or bool(is_real.all()))
+        self._free = None
         self.seen += 1
 
     def get_mask_sizes(self, cache_position) -> tuple[int, int]:
@@ -194,11 +209,13 @@ class H2OLayer(CacheLayerMixin):
         if self.is_initialized:
             for name in ("keys", "values", "pos", "valid", "scores", "start"):
                 setattr(self, name, getattr(self, name).index_select(0, indices.to(self.device)))
+            self._forget_slot_state()
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.is_initialized:
             for name in ("keys", "values", "pos", "valid", "scores", "start"):
                 setattr(self, name, getattr(self, name).repeat_interleave(repeats, dim=0))
+            self._forget_slot_state()
 
     def crop(self, max_length: int) -> None:
         raise NotImplementedError("H2OCache cannot be cropped: evicted entries are gone for good.")
@@ -244,13 +261,22 @@ class H2OLayer(CacheLayerMixin):
 
     def _evict_one(self, policy: Policy) -> None:
         """Free the lowest-ranked slot of every (sequence, head) that holds more than the budget."""
+        if self.full and self.slots > policy.capacity:  # steady state: every (sequence, head) is over the budget
+            rank = policy.keep_score(self._view(self.pos, self.valid, self.scores))
+            victim = rank.argmin(-1, keepdim=True)  # every slot is valid: no masking needed
+            self.valid.scatter_(2, victim, False)
+            self._free, self.full = victim, False  # the victim is now the only free slot
+            return
         over = self.entry_count() > policy.capacity
-        if not bool(over.any()):
+        n_over = int(over.sum())
+        if n_over == 0:
             return
         rank = policy.keep_score(self._view(self.pos, self.valid, self.scores))
         victim = torch.where(self.valid, rank, math.inf).argmin(-1, keepdim=True)
         still_valid = self.valid.gather(2, victim) & ~over.unsqueeze(-1)
         self.valid.scatter_(2, victim, still_valid)
+        if n_over == over.numel() and self.slots == policy.capacity + 1:
+            self._free = victim  # every slot was valid (entries > capacity = slots - 1): the victim is the free one
 
     def _keep_best(self, chunk: _Chunk, policy: Policy) -> None:
         """Gather the best ``capacity`` candidates of a prompt chunk into the slot buffer."""
@@ -264,6 +290,7 @@ class H2OLayer(CacheLayerMixin):
         slots = int(min(self.max_slots, keep + 1))
         if self.slots != slots:
             self._resize(slots)
+        self._forget_slot_state()
         self.valid.fill_(False)
         for name in ("keys", "values", "pos", "valid", "scores"):
             source = getattr(chunk, name)

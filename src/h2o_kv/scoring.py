@@ -12,6 +12,8 @@ Prompts are walked in query chunks: at most ``H2OCache.prefill_chunk_mb`` of sco
 
 from __future__ import annotations
 
+import math
+
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -28,7 +30,7 @@ def attention_with_mass(
     keys: torch.Tensor,
     values: torch.Tensor,
     key_pos: torch.Tensor,
-    key_valid: torch.Tensor,
+    key_valid: torch.Tensor | None,
     first_column: int,
     scaling: float,
     *,
@@ -47,6 +49,12 @@ def attention_with_mass(
     is valid and not in the row's future (and inside ``sliding_window``); a row always sees its own key.
     ``chunk_start``: when the entries end with the query rows' own keys (entry ``chunk_start + i`` is row ``i``'s),
     each block of rows only reads the entries it can see, which halves the work of a causal prompt.
+    ``key_valid=None`` states that every entry is valid and none lies in a row's future, except a row's later
+    chunk entries when ``chunk_start`` is given (a decode step over full slots, a prompt without padding): the
+    mask is then only the causal triangle of the chunk, and ``key_pos`` is not read (unless ``sliding_window``).
+
+    Rows are processed in blocks of at most ``chunk_bytes`` of scores (fp32 logits and probabilities); with
+    ``chunk_start`` a block takes as many rows as fit, given the entries its rows see.
 
     Returns ``(output [B, Q, Hq, Dv], mass [B, Hkv, N], last [B, Hkv, N])``: ``mass`` is the probability
     summed over the group's query heads and all real rows, ``last`` the same over the last ``window`` rows only
@@ -55,38 +63,68 @@ def attention_with_mass(
     batch, q_heads, rows, dim = query.shape
     kv_heads, entries = keys.shape[1], keys.shape[2]
     group = q_heads // kv_heads
-    grouped = (query * scaling).reshape(batch, kv_heads, group, rows, dim)  # scale the small side once
+    # rows in (row, query head) order, scaled once: a block of rows is a contiguous [B, Hkv, r * group, D] view
+    grouped = query.new_empty((batch, kv_heads, rows, group, dim))
+    torch.mul(query.view(batch, kv_heads, group, rows, dim).transpose(2, 3), scaling, out=grouped)
     keys_t = keys.transpose(2, 3)
-    output = query.new_empty((batch, kv_heads, group, rows, values.shape[-1]))
-    mass = last = None
-    step = max(1, chunk_bytes // (8 * batch * q_heads * entries))
-    for r0 in range(0, rows, step):
-        r1 = min(rows, r0 + step)
+    output = query.new_empty((batch, kv_heads, rows, group, values.shape[-1]))
+    if key_valid is None and sliding_window is not None:
+        key_valid = torch.ones_like(key_pos, dtype=torch.bool)  # the window needs the general mask
+    if query_valid is not None and bool(query_valid.all()):
+        query_valid = None
+    cells = max(1, chunk_bytes // (8 * batch * q_heads))  # (row, entry) pairs per block: fp32 logits + probs
+    mass = last = triangle = None
+    r0 = 0
+    while r0 < rows:
+        r1 = r0 + _block_rows(cells, entries if chunk_start is None else None, (chunk_start or 0) + r0, rows - r0)
+        n = r1 - r0
         seen = entries if chunk_start is None else chunk_start + r1  # the entries this block can see
-        pos = key_pos[:, :, None, :seen]  # [B, Hkv, 1, seen]
-        columns = torch.arange(first_column + r0, first_column + r1, device=query.device).view(1, 1, -1, 1)
-        visible = (key_valid[:, :, None, :seen] & (pos <= columns)) | (pos == columns)  # [B, Hkv, rows, seen]
-        if sliding_window is not None:
-            visible &= pos > columns - sliding_window
-        q = grouped[:, :, :, r0:r1].reshape(batch, kv_heads, group * (r1 - r0), dim)
-        logits = torch.matmul(q, keys_t[..., :seen]).view(batch, kv_heads, group, r1 - r0, seen)
-        logits.masked_fill_(~visible.unsqueeze(2), float("-inf"))
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        out = torch.matmul(probs.to(values.dtype).view(batch, kv_heads, -1, seen), values[:, :, :seen])
-        output[:, :, :, r0:r1] = out.view(batch, kv_heads, group, r1 - r0, -1)
+        logits = torch.matmul(grouped[:, :, r0:r1].view(batch, kv_heads, n * group, dim), keys_t[..., :seen])
+        by_row = logits.view(batch, kv_heads, n, group, seen)
+        if key_valid is not None:
+            pos = key_pos[:, :, None, None, :seen]  # [B, Hkv, 1, 1, seen]
+            columns = torch.arange(first_column + r0, first_column + r1, device=query.device).view(1, 1, -1, 1, 1)
+            visible = (key_valid[:, :, None, None, :seen] & (pos <= columns)) | (pos == columns)  # [B, Hkv, n, 1, seen]
+            if sliding_window is not None:
+                visible &= pos > columns - sliding_window
+            by_row.masked_fill_(~visible, float("-inf"))
+        elif chunk_start is not None:  # only the block's own keys can lie in its future: an upper triangle
+            if triangle is None or triangle.shape[0] < n:
+                triangle = torch.ones((n, n), dtype=torch.bool, device=query.device).triu_(1)
+            by_row[..., chunk_start + r0 : seen].masked_fill_(triangle[:n, None, :n], float("-inf"))
+        if logits.dtype == torch.float32 and logits.device.type == "cpu":  # in place: half the memory traffic
+            probs = torch.softmax(logits, dim=-1, out=logits)
+        else:
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        block_out = output[:, :, r0:r1].view(batch, kv_heads, n * group, -1)
+        torch.matmul(probs.to(values.dtype), values[:, :, :seen], out=block_out)
         if need_mass:
+            probs = probs.view(batch, kv_heads, n, group, seen)
             if query_valid is not None:
-                probs = probs * query_valid[:, r0:r1].view(batch, 1, 1, -1, 1)
+                probs.mul_(query_valid[:, r0:r1].view(batch, 1, n, 1, 1))
             chunk_mass = probs.sum(dim=(2, 3))
             mass = _accumulate(mass, chunk_mass, entries)
             if r1 > rows - window:  # a block inside the window (e.g. a decode step) reuses its sum
                 if r0 >= rows - window:  # a copy when later blocks will add to `mass` in place
                     in_window = chunk_mass if r1 == rows else chunk_mass.clone()
                 else:
-                    in_window = probs[:, :, :, rows - window - r0 :].sum(dim=(2, 3))
+                    in_window = probs[:, :, rows - window - r0 :].sum(dim=(2, 3))
                 last = _accumulate(last, in_window, entries)
-    output = output.reshape(batch, q_heads, rows, -1).transpose(1, 2).contiguous()
-    return output, mass, last
+        r0 = r1
+    return output.transpose(1, 2).reshape(batch, rows, q_heads, -1), mass, last
+
+
+def _block_rows(cells: int, entries: int | None, seen_before: int, left: int) -> int:
+    """Rows of the next query block, so that rows x entries seen stays within ``cells`` (at least one row).
+
+    ``entries``: every row sees that many entries; ``None``: a causal chunk, where the block's ``r`` rows see
+    ``seen_before + r`` entries (the largest ``r`` with ``r * (seen_before + r) <= cells``).
+    """
+    if entries is not None:
+        r = cells // max(1, entries)
+    else:
+        r = (math.isqrt(seen_before * seen_before + 4 * cells) - seen_before) // 2
+    return max(1, min(left, r))
 
 
 def _accumulate(total: torch.Tensor | None, part: torch.Tensor, entries: int) -> torch.Tensor:
@@ -124,12 +162,13 @@ def h2o_attention_forward(
     if roll is not None:
         sliding_window = roll.sliding_window(sliding_window)
     if isinstance(pending, _Chunk):
-        if is_real is not None:
-            layer.mark_padding(is_real)
+        # (without a padding mask every token is real: this still records where each sequence starts, for `sink`)
+        layer.mark_padding(is_real if is_real is not None else query.new_ones((query.shape[0], rows), dtype=torch.bool))
         if roll is not None:  # streaming: queries and keys at their positions inside the cache
             query, key = roll.chunk(pending.keys, pending.pos, pending.valid, layer.seen - rows)
+        key_valid = None if bool(pending.valid.all()) else pending.valid  # no padding, no free slot: causal only
         output, mass, last = attention_with_mass(
-            query, key, value, pending.pos, pending.valid, layer.seen - rows, scaling,
+            query, key, value, pending.pos, key_valid, layer.seen - rows, scaling,
             query_valid=is_real, sliding_window=sliding_window, need_mass=need_mass, window=window,
             chunk_bytes=layer.cache.prefill_chunk_bytes, chunk_start=pending.keys.shape[2] - rows,
         )  # fmt: skip
@@ -140,8 +179,9 @@ def h2o_attention_forward(
         real = None if is_real is None else is_real[:, i]
         layer.write_step(pending.keys[:, :, i : i + 1], pending.values[:, :, i : i + 1], real)
         step_query, step_keys = (query[:, :, i : i + 1], layer.keys) if roll is None else roll.step(i, layer)
+        key_valid = None if layer.full else layer.valid  # full: every slot valid, all in the step's past
         output, mass, last = attention_with_mass(
-            step_query, step_keys, layer.values, layer.pos, layer.valid, layer.seen - 1, scaling,
+            step_query, step_keys, layer.values, layer.pos, key_valid, layer.seen - 1, scaling,
             sliding_window=sliding_window, need_mass=need_mass,
         )  # fmt: skip
         layer.commit(mass, last)
