@@ -18,7 +18,7 @@ what=${1:-all}
 
 if [[ $what == all || $what == tasks ]]; then
   run tasks --tasks $TASKS --num-fewshot 5 --limit $LIMIT --policy full --json $OUT/tasks_full.json
-  for p in h2o local sink tova; do
+  for p in h2o local sink tova snapkv; do
     run tasks --tasks $TASKS --num-fewshot 5 --limit $LIMIT --policy $p --budget 0.2 --json $OUT/tasks_${p}_b0.2.json
   done
   for press in $PRESSES; do
@@ -27,7 +27,7 @@ if [[ $what == all || $what == tasks ]]; then
 fi
 if [[ $what == all || $what == xsum ]]; then
   run xsum --limit $XSUM_LIMIT --policy full --json $OUT/xsum_full.json
-  for p in h2o local sink; do
+  for p in h2o local sink tova snapkv; do
     run xsum --limit $XSUM_LIMIT --policy $p --budget 0.2 --json $OUT/xsum_${p}_b0.2.json
   done
   for press in $PRESSES; do
@@ -37,7 +37,7 @@ fi
 if [[ $what == all || $what == needle ]]; then
   G="--lengths 1024,2048,4096 --depths 0,25,50,75,100"
   run needle $G --policy full --json $OUT/needle_full.json
-  for p in h2o sink local; do
+  for p in h2o sink local tova snapkv; do
     run needle $G --policy $p --budget 0.2 --json $OUT/needle_${p}_b0.2.json
   done
   for press in $PRESSES; do

@@ -263,7 +263,7 @@ class H2OLayer(CacheLayerMixin):
         """Free the lowest-ranked slot of every (sequence, head) that holds more than the budget."""
         if self.full and self.slots > policy.capacity:  # steady state: every (sequence, head) is over the budget
             rank = policy.keep_score(self._view(self.pos, self.valid, self.scores))
-            victim = rank.argmin(-1, keepdim=True)  # every slot is valid: no masking needed
+            victim = rank.min(-1, keepdim=True).indices  # all slots valid: no masking (min: faster than argmin)
             self.valid.scatter_(2, victim, False)
             self._free, self.full = victim, False  # the victim is now the only free slot
             return
@@ -272,7 +272,7 @@ class H2OLayer(CacheLayerMixin):
         if n_over == 0:
             return
         rank = policy.keep_score(self._view(self.pos, self.valid, self.scores))
-        victim = torch.where(self.valid, rank, math.inf).argmin(-1, keepdim=True)
+        victim = torch.where(self.valid, rank, math.inf).min(-1, keepdim=True).indices  # the first lowest, as argmin
         still_valid = self.valid.gather(2, victim) & ~over.unsqueeze(-1)
         self.valid.scatter_(2, victim, still_valid)
         if n_over == over.numel() and self.slots == policy.capacity + 1:
@@ -346,6 +346,7 @@ class H2OCache(Cache):
         if not prefill_chunk_mb > 0:
             raise ValueError(f"prefill_chunk_mb must be > 0, got {prefill_chunk_mb}")
         self.prefill_chunk_bytes = int(prefill_chunk_mb * 2**20)
+        self._workspace: torch.Tensor | None = None
         self.budget = budget
         if isinstance(policy, Policy):
             if heavy is not None or recent is not None or budget is not None or policy_options:
@@ -396,6 +397,8 @@ class H2OCache(Cache):
             self.layers.append(H2OLayer(self))
         if layer_idx == 0 and self.layers[0].seen == 0:
             self._resolve(key_states.shape[2])
+        if key_states.shape[2] == 1:
+            self._workspace = None  # decoding: the prompt attention's buffer is not needed any more
         if self.streaming:  # streaming mode: store keys before RoPE (h2o_kv.rotary)
             key_states = self._unrotate_keys(key_states, layer_idx, cache_kwargs)
         return self.layers[layer_idx].update(key_states, value_states, cache_kwargs)
@@ -410,6 +413,16 @@ class H2OCache(Cache):
         self.layers[layer_idx].rope = (cos, sin)
         return raw_keys(key_states, cos, sin)
 
+    def workspace(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A flat buffer for the prompt attention's score blocks, reused by every layer and chunk until decoding starts.
+
+        Sized for one block (``prefill_chunk_bytes`` bounds two fp32 copies of it), allocated at the first prompt.
+        """
+        buffer = self._workspace
+        if buffer is None or buffer.dtype != dtype or buffer.device != device:
+            buffer = self._workspace = torch.empty(self.prefill_chunk_bytes // 8, dtype=dtype, device=device)
+        return buffer
+
     def get_mask_sizes(self, cache_position, layer_idx: int) -> tuple[int, int]:
         _HANDOFF.mask = True
         seen = self.layers[layer_idx].seen if layer_idx < len(self.layers) else 0
@@ -418,6 +431,7 @@ class H2OCache(Cache):
 
     def reset(self) -> None:
         self.layers = []
+        self._workspace = None
         if self.budget is not None:
             self.policy = None
 

@@ -40,6 +40,7 @@ def attention_with_mass(
     window: int = 1,
     chunk_bytes: int = 64 * 2**20,
     chunk_start: int | None = None,
+    workspace: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Causal attention of ``query`` over entries at arbitrary columns, with per-key probability mass.
 
@@ -54,7 +55,10 @@ def attention_with_mass(
     mask is then only the causal triangle of the chunk, and ``key_pos`` is not read (unless ``sliding_window``).
 
     Rows are processed in blocks of at most ``chunk_bytes`` of scores (fp32 logits and probabilities); with
-    ``chunk_start`` a block takes as many rows as fit, given the entries its rows see.
+    ``chunk_start`` a block takes as many rows as fit, given the entries its rows see. ``workspace``: a flat buffer
+    of the query's dtype that the blocks' logits are written into (and softmaxed in place) instead of a fresh
+    allocation per block; blocks of tens of MB are otherwise fresh ``mmap``s whose page faults cost about as
+    much as the matmul that fills them (a larger block than the buffer falls back to allocating).
 
     Returns ``(output [B, Q, Hq, Dv], mass [B, Hkv, N], last [B, Hkv, N])``: ``mass`` is the probability
     summed over the group's query heads and all real rows, ``last`` the same over the last ``window`` rows only
@@ -79,7 +83,13 @@ def attention_with_mass(
         r1 = r0 + _block_rows(cells, entries if chunk_start is None else None, (chunk_start or 0) + r0, rows - r0)
         n = r1 - r0
         seen = entries if chunk_start is None else chunk_start + r1  # the entries this block can see
-        logits = torch.matmul(grouped[:, :, r0:r1].view(batch, kv_heads, n * group, dim), keys_t[..., :seen])
+        block_query = grouped[:, :, r0:r1].view(batch, kv_heads, n * group, dim)
+        cells_needed = batch * kv_heads * n * group * seen
+        if workspace is not None and workspace.numel() >= cells_needed:
+            logits = workspace[:cells_needed].view(batch, kv_heads, n * group, seen)
+            torch.matmul(block_query, keys_t[..., :seen], out=logits)
+        else:
+            logits = torch.matmul(block_query, keys_t[..., :seen])
         by_row = logits.view(batch, kv_heads, n, group, seen)
         if key_valid is not None:
             pos = key_pos[:, :, None, None, :seen]  # [B, Hkv, 1, 1, seen]
@@ -171,6 +181,7 @@ def h2o_attention_forward(
             query, key, value, pending.pos, key_valid, layer.seen - rows, scaling,
             query_valid=is_real, sliding_window=sliding_window, need_mass=need_mass, window=window,
             chunk_bytes=layer.cache.prefill_chunk_bytes, chunk_start=pending.keys.shape[2] - rows,
+            workspace=layer.cache.workspace(query.dtype, query.device),
         )  # fmt: skip
         layer.commit(mass, last)
         return output, None
