@@ -33,6 +33,9 @@ class ReferenceState:
         if self.policy == "h2o":
             rank = self.scores[layer].clone()
             rank[:, columns - self.recent :] = float("inf")
+        elif self.policy == "h2o_mean":  # summed attention / number of queries that saw the column
+            rank = self.scores[layer] / (columns - position)
+            rank[:, columns - self.recent :] = float("inf")
         elif self.policy == "local":
             rank = position.clone()
         elif self.policy == "sink":

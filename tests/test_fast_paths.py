@@ -1,8 +1,8 @@
 """The shortcuts of the hot paths give the results of the general paths.
 
 * ``attention_with_mass(key_valid=None)`` (no padding, no free slot: only the causal triangle is masked) equals
-  the general mask built from positions and validity; cache-sized score blocks equal one big block, with or
-  without a reused workspace buffer.
+  the general mask built from positions and validity; cache-sized score blocks (written into one reused buffer)
+  equal one big block.
 * A decode step in the bounded steady state (``H2OLayer._free`` / ``H2OLayer.full``: the free slot is the last
   victim, no counts, no mask) produces what the general step (free-slot search, counts, masking) produces.
 """
@@ -40,14 +40,7 @@ def test_unmasked_chunk_and_small_blocks_equal_the_general_path(kept, window):
     small = 150 * 8 * 2 * 6  # 150 scores per row block and query head: 3 to 8 rows, more where fewer keys are seen
     blocks = scoring.attention_with_mass(*args, None, first, 0.3, window=window, chunk_start=kept, chunk_bytes=small)
     no_skip = scoring.attention_with_mass(*args, valid, first, 0.3, window=window, chunk_bytes=small)  # all keys
-    # blocks written into a reused buffer; one too small for the larger blocks makes those allocate
-    buffered = [
-        scoring.attention_with_mass(
-            *args, None, first, 0.3, window=window, chunk_start=kept, chunk_bytes=small, workspace=query.new_empty(n)
-        )
-        for n in (small // 8, 2 * 6 * 3 * 3 * 9)  # enough for every block; enough for 3-row blocks of at most 9 keys
-    ]
-    for other in (fast, blocks, no_skip, *buffered):
+    for other in (fast, blocks, no_skip):
         for a, b in zip(general, other, strict=True):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
@@ -147,16 +140,3 @@ def test_prompt_without_padding_mask_records_the_start(llama, policy):
     assert kept[0] == kept[1]
     if policy == "sink":
         assert kept[0][0][:4] == [0, 1, 2, 3]
-
-
-def test_prompt_workspace_is_reused_then_released(llama):
-    """The prompt attention writes its score blocks into one buffer per cache, dropped once decoding starts."""
-    cache = H2OCache(heavy=6, recent=8, prefill_chunk_mb=0.01)  # tiny blocks: many per layer share the buffer
-    with torch.no_grad():
-        llama(random_prompt(40), past_key_values=cache)
-        buffer = cache._workspace
-        assert buffer is not None and buffer.numel() == int(0.01 * 2**20) // 8
-        llama(random_prompt(12, seed=2), past_key_values=cache)  # a second prompt chunk reuses it
-        assert cache._workspace is buffer
-        llama(random_prompt(1, seed=3), past_key_values=cache)
-    assert cache._workspace is None

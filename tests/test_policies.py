@@ -73,6 +73,23 @@ def test_tova_has_no_protected_recent_window(tiny):
     assert newest_evicted > 0
 
 
+# -- H2O with mean scores -----------------------------------------------------------------------------------
+
+
+def test_h2o_mean_matches_reference_and_differs_from_h2o(tiny):
+    model, ids = tiny["llama"], random_prompt(40, seed=3)
+    expected, expected_logits = reference_generate(model, ids, 20, heavy=5, recent=7, policy="h2o_mean")
+    cache = H2OCache(heavy=5, recent=7, policy="h2o_mean")
+    tokens, logits = greedy_generate(model, ids, cache, 20)
+    assert tokens[0].tolist() == expected[0]
+    torch.testing.assert_close(logits[0], expected_logits, atol=1e-4, rtol=1e-4)
+    with torch.no_grad():
+        mean = model(ids, past_key_values=H2OCache(heavy=4, recent=4, policy="h2o_mean", stepwise=True)).logits[0]
+        summed = model(ids, past_key_values=H2OCache(heavy=4, recent=4, policy="h2o", stepwise=True)).logits[0]
+    torch.testing.assert_close(mean, reference_logits(model, ids, 4, 4, "h2o_mean"), atol=1e-4, rtol=1e-4)
+    assert (mean - summed).abs().max() > 1e-2  # a different ranking really keeps different entries
+
+
 # -- SnapKV -------------------------------------------------------------------------------------------------
 
 

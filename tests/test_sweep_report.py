@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from typer.testing import CliRunner
@@ -70,6 +71,8 @@ def test_ppl_sweep_resumes_and_reports(tmp_path, handle):
     assert all(p.stat().st_mtime_ns == mtimes[p.name] for p in paths if p.name != "local_b0.5.json")
     with pytest.raises(ValueError, match="other settings"):
         run_sweep("ppl", ["h2o"], [0.25], out, {**options, "tokens": "129"}, handle)
+    relative = os.path.relpath(BOOK)  # the same file named another way is the same sweep
+    assert run_sweep("ppl", ["h2o"], [0.25], out, {**options, "text": relative}, handle) == [out / "h2o_b0.25.json"]
     with pytest.raises(ValueError, match="larger than the text|--tokens"):
         run_sweep("ppl", ["h2o"], [0.25], tmp_path / "other", {**options, "tokens": "10000000"}, handle)
     with pytest.raises(ValueError, match="keeps no entry"):  # every cell is checked before the first runs

@@ -27,7 +27,7 @@ if [[ $what == all || $what == tasks ]]; then
 fi
 if [[ $what == all || $what == xsum ]]; then
   run xsum --limit $XSUM_LIMIT --policy full --json $OUT/xsum_full.json
-  for p in h2o local sink tova snapkv; do
+  for p in h2o local sink tova snapkv h2o_mean; do
     run xsum --limit $XSUM_LIMIT --policy $p --budget 0.2 --json $OUT/xsum_${p}_b0.2.json
   done
   for press in $PRESSES; do

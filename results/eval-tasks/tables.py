@@ -1,6 +1,6 @@
 """Markdown tables for docs/eval-tasks.md from the result JSONs in this folder.
 
-    python results/eval-tasks/tables.py > /tmp/tables.md
+    python results/eval-tasks/tables.py > /tmp/tables.md    # also redraws needle_heatmaps.png
 
 Paired differences: every policy ran on the same items as ``full``, so the change in accuracy (or ROUGE) is the
 mean of per-item differences, with the standard error of that mean (much tighter than comparing two unpaired
@@ -123,6 +123,11 @@ def main() -> None:
         records = load(pattern)
         if records and (table is needle_table or any(r["policy"] == "full" for r in records)):
             out += [f"### {title}", "", *table(records), ""]
+    needles = sorted(load("needle_*.json"), key=order)
+    if needles:
+        from h2o_kv.eval.needle import plot_heatmaps
+
+        plot_heatmaps(needles, HERE / "needle_heatmaps.png")
     sys.stdout.write("\n".join(out) + "\n")
 
 

@@ -346,7 +346,6 @@ class H2OCache(Cache):
         if not prefill_chunk_mb > 0:
             raise ValueError(f"prefill_chunk_mb must be > 0, got {prefill_chunk_mb}")
         self.prefill_chunk_bytes = int(prefill_chunk_mb * 2**20)
-        self._workspace: torch.Tensor | None = None
         self.budget = budget
         if isinstance(policy, Policy):
             if heavy is not None or recent is not None or budget is not None or policy_options:
@@ -397,8 +396,6 @@ class H2OCache(Cache):
             self.layers.append(H2OLayer(self))
         if layer_idx == 0 and self.layers[0].seen == 0:
             self._resolve(key_states.shape[2])
-        if key_states.shape[2] == 1:
-            self._workspace = None  # decoding: the prompt attention's buffer is not needed any more
         if self.streaming:  # streaming mode: store keys before RoPE (h2o_kv.rotary)
             key_states = self._unrotate_keys(key_states, layer_idx, cache_kwargs)
         return self.layers[layer_idx].update(key_states, value_states, cache_kwargs)
@@ -413,16 +410,6 @@ class H2OCache(Cache):
         self.layers[layer_idx].rope = (cos, sin)
         return raw_keys(key_states, cos, sin)
 
-    def workspace(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A flat buffer for the prompt attention's score blocks, reused by every layer and chunk until decoding starts.
-
-        Sized for one block (``prefill_chunk_bytes`` bounds two fp32 copies of it), allocated at the first prompt.
-        """
-        buffer = self._workspace
-        if buffer is None or buffer.dtype != dtype or buffer.device != device:
-            buffer = self._workspace = torch.empty(self.prefill_chunk_bytes // 8, dtype=dtype, device=device)
-        return buffer
-
     def get_mask_sizes(self, cache_position, layer_idx: int) -> tuple[int, int]:
         _HANDOFF.mask = True
         seen = self.layers[layer_idx].seen if layer_idx < len(self.layers) else 0
@@ -431,7 +418,6 @@ class H2OCache(Cache):
 
     def reset(self) -> None:
         self.layers = []
-        self._workspace = None
         if self.budget is not None:
             self.policy = None
 

@@ -40,7 +40,6 @@ def attention_with_mass(
     window: int = 1,
     chunk_bytes: int = 64 * 2**20,
     chunk_start: int | None = None,
-    workspace: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Causal attention of ``query`` over entries at arbitrary columns, with per-key probability mass.
 
@@ -55,10 +54,9 @@ def attention_with_mass(
     mask is then only the causal triangle of the chunk, and ``key_pos`` is not read (unless ``sliding_window``).
 
     Rows are processed in blocks of at most ``chunk_bytes`` of scores (fp32 logits and probabilities); with
-    ``chunk_start`` a block takes as many rows as fit, given the entries its rows see. ``workspace``: a flat buffer
-    of the query's dtype that the blocks' logits are written into (and softmaxed in place) instead of a fresh
-    allocation per block; blocks of tens of MB are otherwise fresh ``mmap``s whose page faults cost about as
-    much as the matmul that fills them (a larger block than the buffer falls back to allocating).
+    ``chunk_start`` a block takes as many rows as fit, given the entries its rows see. When there are several blocks
+    they all write their logits into one buffer (softmaxed in place there): blocks of tens of MB allocated one by
+    one are fresh ``mmap``s whose page faults cost about as much as the matmul that fills them.
 
     Returns ``(output [B, Q, Hq, Dv], mass [B, Hkv, N], last [B, Hkv, N])``: ``mass`` is the probability
     summed over the group's query heads and all real rows, ``last`` the same over the last ``window`` rows only
@@ -77,16 +75,18 @@ def attention_with_mass(
     if query_valid is not None and bool(query_valid.all()):
         query_valid = None
     cells = max(1, chunk_bytes // (8 * batch * q_heads))  # (row, entry) pairs per block: fp32 logits + probs
-    mass = last = triangle = None
+    mass = last = triangle = scratch = None
     r0 = 0
     while r0 < rows:
         r1 = r0 + _block_rows(cells, entries if chunk_start is None else None, (chunk_start or 0) + r0, rows - r0)
         n = r1 - r0
         seen = entries if chunk_start is None else chunk_start + r1  # the entries this block can see
         block_query = grouped[:, :, r0:r1].view(batch, kv_heads, n * group, dim)
-        cells_needed = batch * kv_heads * n * group * seen
-        if workspace is not None and workspace.numel() >= cells_needed:
-            logits = workspace[:cells_needed].view(batch, kv_heads, n * group, seen)
+        size = batch * kv_heads * n * group * seen
+        if r1 < rows or scratch is not None:  # one of several blocks: reuse one buffer (a block holds <= cells/head)
+            if scratch is None or scratch.numel() < size:
+                scratch = query.new_empty(max(size, min(cells, rows * entries) * batch * q_heads))
+            logits = scratch[:size].view(batch, kv_heads, n * group, seen)
             torch.matmul(block_query, keys_t[..., :seen], out=logits)
         else:
             logits = torch.matmul(block_query, keys_t[..., :seen])
@@ -108,17 +108,21 @@ def attention_with_mass(
             probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         block_out = output[:, :, r0:r1].view(batch, kv_heads, n * group, -1)
         torch.matmul(probs.to(values.dtype), values[:, :, :seen], out=block_out)
-        if need_mass:
-            probs = probs.view(batch, kv_heads, n, group, seen)
-            if query_valid is not None:
-                probs.mul_(query_valid[:, r0:r1].view(batch, 1, n, 1, 1))
-            chunk_mass = probs.sum(dim=(2, 3))
+        if need_mass:  # column sums as a weighted GEMV: padded rows weigh 0, no thread-parallel reduction
+            if query_valid is None:
+                weights = probs.new_ones((1, 1, 1, n * group))
+            else:
+                weights = query_valid[:, r0:r1, None].expand(batch, n, group).reshape(batch, 1, 1, n * group)
+                weights = weights.to(probs.dtype)
+            chunk_mass = torch.matmul(weights, probs).squeeze(2)
             mass = _accumulate(mass, chunk_mass, entries)
             if r1 > rows - window:  # a block inside the window (e.g. a decode step) reuses its sum
                 if r0 >= rows - window:  # a copy when later blocks will add to `mass` in place
                     in_window = chunk_mass if r1 == rows else chunk_mass.clone()
                 else:
-                    in_window = probs[:, :, rows - window - r0 :].sum(dim=(2, 3))
+                    weights = weights.clone()
+                    weights[..., : (rows - window - r0) * group] = 0
+                    in_window = torch.matmul(weights, probs).squeeze(2)
                 last = _accumulate(last, in_window, entries)
         r0 = r1
     return output.transpose(1, 2).reshape(batch, rows, q_heads, -1), mass, last
@@ -181,7 +185,6 @@ def h2o_attention_forward(
             query, key, value, pending.pos, key_valid, layer.seen - rows, scaling,
             query_valid=is_real, sliding_window=sliding_window, need_mass=need_mass, window=window,
             chunk_bytes=layer.cache.prefill_chunk_bytes, chunk_start=pending.keys.shape[2] - rows,
-            workspace=layer.cache.workspace(query.dtype, query.device),
         )  # fmt: skip
         layer.commit(mass, last)
         return output, None

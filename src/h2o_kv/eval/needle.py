@@ -215,9 +215,14 @@ def plot_heatmaps(records: Sequence[dict[str, Any]], path: str | Path) -> Path:
 
     if not records:
         raise ValueError("no needle results to plot")
-    fig, axes = plt.subplots(1, len(records), figsize=(2.2 + 2.4 * len(records), 3.6), squeeze=False)
+    columns = min(len(records), 6)
+    rows = -(-len(records) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(2.2 + 2.6 * columns, 0.4 + 4.0 * rows), squeeze=False)
+    fig.subplots_adjust(wspace=0.4, hspace=0.5)
+    for ax in axes.flat[len(records) :]:
+        ax.axis("off")
     image = None
-    for ax, record in zip(axes[0], records, strict=True):
+    for ax, record in zip(axes.flat[: len(records)], records, strict=True):
         if record.get("kind") != "needle":
             raise ValueError(f"{record.get('_path', 'a record')} is not a needle result")
         lengths, depths = record["lengths"], record["depths"]
@@ -230,10 +235,12 @@ def plot_heatmaps(records: Sequence[dict[str, Any]], path: str | Path) -> Path:
         for (i, j), value in np.ndenumerate(grid):
             if not np.isnan(value):
                 ax.text(j, i, f"{value:.1f}".rstrip("0").rstrip("."), ha="center", va="center", fontsize=7)
-        ax.set_title(f"{_title(record)}\nmean {record['metrics']['score']:.2f}", fontsize=9)
+        title = _title(record).replace("kvpress:", "kvpress ").replace(" @ ", "\n@ ")
+        ax.set_title(f"{title}, mean {record['metrics']['score']:.2f}", fontsize=9)
         ax.set_xlabel("document tokens", fontsize=8)
-    axes[0][0].set_ylabel("needle depth", fontsize=8)
-    fig.colorbar(image, ax=axes[0].tolist(), shrink=0.8, label="score")
+    for row in axes:
+        row[0].set_ylabel("needle depth", fontsize=8)
+    fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8, label="score")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120, bbox_inches="tight")

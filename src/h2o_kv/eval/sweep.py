@@ -87,6 +87,13 @@ def register_kind(kind: SweepKind) -> SweepKind:
     return kind
 
 
+def _canonical(value: Any) -> Any:
+    """An option naming an existing file as its absolute path, so ``../data/x`` and ``/abs/data/x`` agree."""
+    if isinstance(value, str) and value and Path(value).exists():
+        return str(Path(value).resolve())
+    return value
+
+
 def parse_list(value: str, what: str, convert: Callable[[str], Any] = str) -> list[Any]:
     items = [v.strip() for v in value.split(",") if v.strip()]
     if not items:
@@ -161,7 +168,7 @@ def run_sweep(
             spec.check_cell(settings, policy, budget)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    manifest = {"kind": kind, "model": models.label, "options": {k: v for k, v in sorted(options.items())}}
+    manifest = {"kind": kind, "model": models.label, "options": {k: _canonical(v) for k, v in sorted(options.items())}}
     manifest_path = out / "sweep.json"
     if manifest_path.exists():
         previous = json.loads(manifest_path.read_text())

@@ -2,14 +2,14 @@
 
 from .base import EntryView, Policy
 from .full import Full
-from .h2o import H2O
+from .h2o import H2O, H2OMean
 from .local import Local
 from .random import Random
 from .sink import Sink
 from .snapkv import SnapKV
 from .tova import TOVA
 
-POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (H2O, Local, Sink, Full, TOVA, SnapKV, Random)}
+POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (H2O, Local, Sink, Full, TOVA, SnapKV, Random, H2OMean)}
 
 
 def make_policy(name: str, heavy: int, recent: int, **options) -> Policy:
@@ -26,6 +26,7 @@ __all__ = [
     "EntryView",
     "Full",
     "H2O",
+    "H2OMean",
     "Local",
     "Policy",
     "Random",

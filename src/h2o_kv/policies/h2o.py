@@ -26,3 +26,19 @@ class H2O(Policy):
 
     def keep_score(self, entries: EntryView) -> torch.Tensor:
         return entries.scores.masked_fill(self.recent_window(entries, self.recent), INF)
+
+
+@dataclass
+class H2OMean(H2O):
+    """H2O ranked by the *mean* attention a token received instead of the sum (``h2o_mean``; not the paper's default).
+
+    The score is divided by the number of queries that could see the token (``seen - pos``), as kvpress'
+    ``ObservedAttentionPress`` does for the prompt, so early tokens are not favoured only for having been seen by
+    more queries. Same accumulation and recent window as :class:`H2O`.
+    """
+
+    name: ClassVar[str] = "h2o_mean"
+
+    def keep_score(self, entries: EntryView) -> torch.Tensor:
+        mean = entries.scores / (entries.seen - entries.pos).clamp_min(1)
+        return mean.masked_fill(self.recent_window(entries, self.recent), INF)
