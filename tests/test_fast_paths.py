@@ -4,7 +4,8 @@
   the general mask built from positions and validity; cache-sized score blocks (written into one reused buffer)
   equal one big block.
 * A decode step in the bounded steady state (``H2OLayer._free`` / ``H2OLayer.full``: the free slot is the last
-  victim, no counts, no mask) produces what the general step (free-slot search, counts, masking) produces.
+  victim, no counts, no mask, the victim's validity flag cleared lazily) produces what the general step (free-slot
+  search, counts, masking) produces.
 """
 
 from __future__ import annotations
@@ -102,9 +103,10 @@ def test_steady_state_decode_equals_the_general_step(llama, policy, monkeypatch)
     slow, slow_logits = greedy_generate(llama, ids, slow_cache, 20)
     assert torch.equal(fast, slow)
     torch.testing.assert_close(fast_logits, slow_logits, atol=1e-5, rtol=1e-5)
+    assert all(layer._stale is not None for layer in fast_cache.layers)  # the last victims were freed lazily
     for a, b in zip(fast_cache.layers, slow_cache.layers, strict=True):
-        assert torch.equal(a.valid, b.valid) and torch.equal(a.pos, b.pos)
-    assert fast_cache.stats()["kv_tokens"] == 14
+        assert torch.equal(a.valid, b.valid) and torch.equal(a.pos, b.pos)  # reading `valid` clears them
+    assert fast_cache.stats()["kv_tokens"] == 14 and all(layer._stale is None for layer in fast_cache.layers)
 
 
 def test_stepwise_padding_leaves_the_fast_path(llama, monkeypatch):

@@ -79,7 +79,24 @@ class H2OLayer(CacheLayerMixin):
         self.seen = 0
         self.peak_entries = 0
         self._pending: _Steps | _Chunk | None = None
+        self._stale: torch.Tensor | None = None
         self._forget_slot_state()
+
+    @property
+    def valid(self) -> torch.Tensor:
+        """Which slots hold an entry, ``[batch, heads, slots]`` bool.
+
+        In the steady state the victim of a decode step is refilled by the next step's write, so the fast path
+        leaves its flag set (``_stale``, two scatters saved per layer and step); any other reader gets it cleared.
+        """
+        if self._stale is not None:
+            self._valid.scatter_(2, self._stale, False)
+            self._stale = None
+        return self._valid
+
+    @valid.setter
+    def valid(self, value: torch.Tensor) -> None:
+        self._valid, self._stale = value, None
 
     def _forget_slot_state(self) -> None:
         """Drop what the decode fast path knows about the slots (after anything but a decode step moved them)."""
@@ -179,13 +196,17 @@ class H2OLayer(CacheLayerMixin):
         for buffer, new in ((self.keys, key), (self.values, value)):
             buffer.scatter_(2, free.unsqueeze(-1).expand(-1, -1, -1, new.shape[-1]), new)
         self.pos.scatter_(2, free, self.seen)
-        real = True if is_real is None else is_real[:, None, None].expand(-1, self.valid.shape[1], 1)
-        self.valid.scatter_(2, free, real)
+        all_real = is_real is None or (self._free is not None and bool(is_real.all()))  # (only needed then)
+        if all_real and self._stale is not None:  # the free slot is the stale victim: its flag is already True
+            self._stale = None
+        else:
+            real = True if is_real is None else is_real[:, None, None].expand(-1, self.valid.shape[1], 1)
+            self.valid.scatter_(2, free, real)
         self.scores.scatter_(2, free, 0.0)
         if not self._all_started:
             self._note_start(self.valid.new_ones(self.valid.shape[0])[:, None] if is_real is None else is_real[:, None])
         # the only free slot got a real token everywhere: no slot is free now
-        self.full = self._free is not None and (is_real is None or bool(is_real.all()))
+        self.full = self._free is not None and all_real
         self._free = None
         self.seen += 1
 
@@ -262,9 +283,9 @@ class H2OLayer(CacheLayerMixin):
     def _evict_one(self, policy: Policy) -> None:
         """Free the lowest-ranked slot of every (sequence, head) that holds more than the budget."""
         if self.full and self.slots > policy.capacity:  # steady state: every (sequence, head) is over the budget
-            rank = policy.keep_score(self._view(self.pos, self.valid, self.scores))
+            rank = policy.keep_score(self._view(self.pos, self._valid, self.scores))
             victim = rank.min(-1, keepdim=True).indices  # all slots valid: no masking (min: faster than argmin)
-            self.valid.scatter_(2, victim, False)
+            self._stale = victim  # freed lazily: the next write refills it (see `valid`)
             self._free, self.full = victim, False  # the victim is now the only free slot
             return
         over = self.entry_count() > policy.capacity
