@@ -68,14 +68,14 @@ def test_padded_rows_add_no_mass_in_small_blocks():
 
 def _without_fast_path(monkeypatch):
     """Make every decode step take the general path (the steady-state flags are never set)."""
-    original = H2OLayer._evict_one
+    original = H2OLayer.commit
 
-    def general(self, policy):
+    def general(self, mass, last):
         self._free, self.full = None, False
-        original(self, policy)
+        original(self, mass, last)
         self._free = None
 
-    monkeypatch.setattr(H2OLayer, "_evict_one", general)
+    monkeypatch.setattr(H2OLayer, "commit", general)
 
 
 @pytest.fixture(scope="module")
@@ -90,9 +90,9 @@ def test_steady_state_decode_equals_the_general_step(llama, policy, monkeypatch)
     seen = {"fast": 0}
     original = H2OLayer._evict_one
 
-    def counting(self, p):
+    def counting(self, p, *args):
         seen["fast"] += bool(self.full)
-        original(self, p)
+        original(self, p, *args)
 
     monkeypatch.setattr(H2OLayer, "_evict_one", counting)
     fast, fast_logits = greedy_generate(llama, ids, fast_cache, 20)

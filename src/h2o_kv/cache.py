@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from . import kernels
 from .policies import EntryView, Policy, make_policy
 
 _HANDOFF = threading.local()
@@ -193,16 +194,21 @@ class H2OLayer(CacheLayerMixin):
             if self.slots < self.max_slots and int(self.entry_count().max()) >= self.slots:
                 self._resize(int(min(self.max_slots, self.slots + max(16, self.slots // 4))))
             free = self.valid.byte().argmin(-1, keepdim=True)  # [batch, heads, 1]: the first free slot
-        for buffer, new in ((self.keys, key), (self.values, value)):
-            buffer.scatter_(2, free.unsqueeze(-1).expand(-1, -1, -1, new.shape[-1]), new)
-        self.pos.scatter_(2, free, self.seen)
+        key, value = key.contiguous(), value.contiguous()
+        ops = kernels.cpu_ops(self.keys, self.values, key, value)
+        if ops is not None:  # one fused pass for the four writes below
+            ops.write_slot(self.keys, self.values, self.pos, self.scores, free, key, value, self.seen)
+        else:
+            for buffer, new in ((self.keys, key), (self.values, value)):
+                buffer.scatter_(2, free.unsqueeze(-1).expand(-1, -1, -1, new.shape[-1]), new)
+            self.pos.scatter_(2, free, self.seen)
+            self.scores.scatter_(2, free, 0.0)
         all_real = is_real is None or (self._free is not None and bool(is_real.all()))  # (only needed then)
         if all_real and self._stale is not None:  # the free slot is the stale victim: its flag is already True
             self._stale = None
         else:
             real = True if is_real is None else is_real[:, None, None].expand(-1, self.valid.shape[1], 1)
             self.valid.scatter_(2, free, real)
-        self.scores.scatter_(2, free, 0.0)
         if not self._all_started:
             self._note_start(self.valid.new_ones(self.valid.shape[0])[:, None] if is_real is None else is_real[:, None])
         # the only free slot got a real token everywhere: no slot is free now
@@ -267,6 +273,9 @@ class H2OLayer(CacheLayerMixin):
             chunk, self._pending = self._pending, None
             chunk.scores = policy.accumulate(chunk.scores, mass, last)
             self._keep_best(chunk, policy)
+        elif self.full and policy.evicts_during_decode and self.slots > policy.capacity:
+            self.peak_entries = self.slots  # every slot holds an entry
+            self._evict_one(policy, mass, last)  # steady state: the policy folds in the mass as it picks the victim
         else:
             self.scores = policy.accumulate(self.scores, mass, last)
             if self.peak_entries < self.slots:  # entries never exceed the slots: skip the count once reached
@@ -280,11 +289,14 @@ class H2OLayer(CacheLayerMixin):
     def _view(self, pos, valid, scores) -> EntryView:
         return EntryView(pos=pos, valid=valid, scores=scores, seen=self.seen, start=self.start)
 
-    def _evict_one(self, policy: Policy) -> None:
-        """Free the lowest-ranked slot of every (sequence, head) that holds more than the budget."""
-        if self.full and self.slots > policy.capacity:  # steady state: every (sequence, head) is over the budget
-            rank = policy.keep_score(self._view(self.pos, self._valid, self.scores))
-            victim = rank.min(-1, keepdim=True).indices  # all slots valid: no masking (min: faster than argmin)
+    def _evict_one(self, policy: Policy, mass: torch.Tensor | None = None, last: torch.Tensor | None = None) -> None:
+        """Free the lowest-ranked slot of every (sequence, head) that holds more than the budget.
+
+        In the steady state (all slots valid, every (sequence, head) over the budget) this step's ``mass`` and
+        ``last`` are passed here and folded into the scores by :meth:`Policy.decode_victim`, which may fuse it all.
+        """
+        if self.full and self.slots > policy.capacity:  # steady state: no masking, no counts
+            self.scores, victim = policy.decode_victim(self._view(self.pos, self._valid, self.scores), mass, last)
             self._stale = victim  # freed lazily: the next write refills it (see `valid`)
             self._free, self.full = victim, False  # the victim is now the only free slot
             return

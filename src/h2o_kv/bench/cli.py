@@ -197,6 +197,7 @@ def profile_cmd(
     import torch
     from transformers.utils import logging as hf_logging
 
+    from .. import kernels
     from .profile import profile_decode
     from .runner import cpu_lock
     from .workload import load_bench_model
@@ -218,9 +219,10 @@ def profile_cmd(
         lm = load_bench_model(model, device=device, dtype=dtype)
         result = profile_decode(lm, cfg, steps=steps)
     result["model"], result["device"], result["threads"] = lm.name, str(lm.device), torch.get_num_threads()
+    result["fused_cpu_kernels"] = lm.device.type == "cpu" and kernels.cpu_ops(torch.zeros(1)) is not None
     split = result["split_ms"]
     print(f"decode step {result['step_ms']:.1f} ms (policy {policy}, budget {heavy}+{recent}, batch {batch}, "
-          f"prompt {context})")  # fmt: skip
+          f"prompt {context}, fused CPU kernels: {'on' if result['fused_cpu_kernels'] else 'off'})")  # fmt: skip
     for name, ms in split.items():
         print(f"  {name:24s} {ms:7.2f} ms  {result['split_percent'][name]:5.1f}%")
     print(f"  eviction bookkeeping     {result['bookkeeping_percent']:.1f}% of the step")

@@ -6,7 +6,8 @@ The step is split with wall-clock timers around the cache's entry points (the mo
 * score update: the policy's ``accumulate`` inside :meth:`H2OLayer.commit`, plus the per-key mass reduction in the
   attention function (measured in a second pass as the difference between each attention call with and without
   ``need_mass`` on the same cache state, run back to back in alternating order);
-* victim choice: :meth:`H2OLayer._evict_one` (rank, lowest entry, free the slot: lazily in the steady state);
+* victim choice: :meth:`H2OLayer._evict_one` (rank, lowest entry, free the slot: lazily in the steady state; there
+  the policy's ``decode_victim`` also folds in the mass, so H2O's fused CPU kernel counts its score addition here);
 * attention: :func:`h2o_kv.scoring.attention_with_mass` without the mass reduction;
 * the rest: projections, MLPs, norms, RoPE, the LM head and Python overhead.
 

@@ -10,12 +10,13 @@ the policy two things:
 
 The layer then keeps the ``capacity`` best entries (after a prompt chunk) or frees the single worst slot
 (after a decode step). Adding a method is one small dataclass overriding these two hooks (the shape of
-kvpress' ``score()`` presses).
+kvpress' ``score()`` presses). A policy may also override :meth:`Policy.decode_victim`, the composition of the
+two for a decode step in the steady state, with a fused equivalent (H2O does, on the CPU).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
@@ -55,6 +56,13 @@ class Policy:
 
     def keep_score(self, entries: EntryView) -> torch.Tensor:
         raise NotImplementedError
+
+    def decode_victim(self, entries: EntryView, mass: torch.Tensor | None, last: torch.Tensor | None):
+        """A decode step over full slots: ``(new scores, victim)``, the victim ``[batch, heads, 1]`` being the first
+        slot of lowest :meth:`keep_score` after :meth:`accumulate` (an override must give the same result)."""
+        scores = self.accumulate(entries.scores, mass, last)
+        rank = self.keep_score(replace(entries, scores=scores))
+        return scores, rank.min(-1, keepdim=True).indices  # (min: faster than argmin, same first index)
 
     def recent_window(self, entries: EntryView, size: int) -> torch.Tensor:
         """Mask of the ``size`` most recent columns."""

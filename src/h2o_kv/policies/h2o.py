@@ -7,6 +7,7 @@ from typing import ClassVar
 
 import torch
 
+from .. import kernels
 from .base import INF, EntryView, Policy
 
 
@@ -27,6 +28,13 @@ class H2O(Policy):
     def keep_score(self, entries: EntryView) -> torch.Tensor:
         return entries.scores.masked_fill(self.recent_window(entries, self.recent), INF)
 
+    def decode_victim(self, entries: EntryView, mass, last):
+        """On the CPU, one fused pass (:mod:`h2o_kv.kernels`): the scores are updated in place."""
+        ops = kernels.cpu_ops(entries.scores, mass, entries.pos) if mass is not None else None
+        if ops is None:
+            return super().decode_victim(entries, mass, last)
+        return entries.scores, ops.h2o_victim(entries.scores, mass, entries.pos, entries.seen - self.recent)
+
 
 @dataclass
 class H2OMean(H2O):
@@ -38,6 +46,7 @@ class H2OMean(H2O):
     """
 
     name: ClassVar[str] = "h2o_mean"
+    decode_victim = Policy.decode_victim  # (the fused H2O kernel ranks by the sum)
 
     def keep_score(self, entries: EntryView) -> torch.Tensor:
         mean = entries.scores / (entries.seen - entries.pos).clamp_min(1)

@@ -1,0 +1,74 @@
+"""Fused CPU kernels for the bookkeeping of a decode step (``decode_step.cpp``), compiled on first use.
+
+On a CPU, the bookkeeping of an H2O decode step is a handful of tiny tensor ops per layer (scatters into the slot
+buffer, the score update, the recent-window mask, the minimum), each re-reading small tensors that the layer's
+weights have pushed out of the caches: dispatch and cold reads, not arithmetic, make it cost ~10% of a step. The
+kernels here do the same work in one pass per step part: :func:`cpu_ops` returns them (built once with
+``torch.utils.cpp_extension``, about 30 s, cached under ``$H2O_KV_CACHE_DIR/kernels``) or ``None`` when they
+cannot be used, and the callers then run the equivalent torch ops (the tests check both agree). Set
+``H2O_KV_FUSED=0`` to turn them off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import pathlib
+import shutil
+import sys
+import threading
+import warnings
+
+import torch
+
+_SOURCE = pathlib.Path(__file__).with_name("decode_step.cpp")
+_loaded: dict[str, object] = {}
+_build_lock = threading.Lock()
+
+
+def enabled() -> bool:
+    """False when ``H2O_KV_FUSED`` is set to ``0``/``false``/``no``/``off``."""
+    return os.environ.get("H2O_KV_FUSED", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def cpu_ops(*tensors: torch.Tensor):
+    """The compiled kernels when they apply to ``tensors`` (all on the CPU and contiguous), else ``None``."""
+    if not all(t.device.type == "cpu" and t.is_contiguous() for t in tensors):
+        return None
+    if "ops" not in _loaded:
+        with _build_lock:
+            if "ops" not in _loaded:
+                _loaded["ops"] = _build() if enabled() else None
+    return _loaded["ops"]
+
+
+def _build():
+    from torch.utils.cpp_extension import load
+
+    if shutil.which("ninja") is None:  # the `ninja` wheel's binary, when its environment's bin is not on PATH
+        with contextlib.suppress(ImportError):
+            import ninja
+
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    digest = hashlib.sha256(_SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
+    root = pathlib.Path(os.environ.get("H2O_KV_CACHE_DIR") or "~/.cache/h2o-kv").expanduser()
+    build_dir = root / "kernels" / f"decode_step-{digest}"
+    try:
+        build_dir.mkdir(parents=True, exist_ok=True)
+        if not any(build_dir.glob("*.so")):
+            print("h2o-kv: compiling the fused CPU decode kernels (once, about 30 s)...", file=sys.stderr, flush=True)
+        return load(
+            name=f"h2o_kv_decode_step_{digest}",
+            sources=[str(_SOURCE)],
+            extra_cflags=["-O3"],
+            build_directory=str(build_dir),
+        )
+    except Exception as error:  # no compiler, no ninja, ...: correct but slower torch ops
+        warnings.warn(
+            f"h2o-kv: the fused CPU decode kernels could not be built ({type(error).__name__}: {error}); "
+            "decode bookkeeping falls back to torch ops (same results, slower). It needs a C++ compiler and "
+            "ninja on PATH; set H2O_KV_FUSED=0 to silence this.",
+            stacklevel=2,
+        )
+        return None

@@ -1,0 +1,108 @@
+"""The fused CPU decode kernels (``h2o_kv.kernels``) give exactly what the torch ops they replace give."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers import greedy_generate, random_prompt
+
+from h2o_kv import H2OCache, kernels, load_model
+
+ops = kernels.cpu_ops(torch.zeros(1))
+needs_kernels = pytest.mark.skipif(ops is None, reason="fused kernels unavailable (no compiler or H2O_KV_FUSED=0)")
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_write_slot_equals_scatter(dtype):
+    g = torch.Generator().manual_seed(0)
+    batch, heads, slots, dim = 3, 2, 11, 8
+    keys, values = (torch.randn(batch, heads, slots, dim, generator=g).to(dtype) for _ in range(2))
+    pos, scores = torch.randint(0, 99, (batch, heads, slots), generator=g), torch.rand(batch, heads, slots, generator=g)
+    key, value = (torch.randn(batch, heads, 1, dim, generator=g).to(dtype) for _ in range(2))
+    free = torch.randint(0, slots, (batch, heads, 1), generator=g)
+    want = [t.clone() for t in (keys, values, pos, scores)]
+    for buffer, new in zip(want[:2], (key, value), strict=True):
+        buffer.scatter_(2, free.unsqueeze(-1).expand(-1, -1, -1, dim), new)
+    want[2].scatter_(2, free, 123)
+    want[3].scatter_(2, free, 0.0)
+    ops.write_slot(keys, values, pos, scores, free, key, value, 123)
+    for got, expected in zip((keys, values, pos, scores), want, strict=True):
+        assert torch.equal(got, expected)
+
+
+@needs_kernels
+@pytest.mark.parametrize("seed", range(4))
+def test_h2o_victim_equals_mask_and_min(seed):
+    """Scores += mass in place, then the first lowest score outside the recent window (ties included)."""
+    g = torch.Generator().manual_seed(seed)
+    batch, heads, slots = 2, 3, 40
+    scores = torch.randint(0, 4, (batch, heads, slots), generator=g).float()  # many ties
+    mass = torch.randint(0, 3, (batch, heads, slots), generator=g).float() / 4
+    pos = torch.stack([torch.randperm(60, generator=g)[:slots] for _ in range(batch * heads)]).view(batch, heads, -1)
+    want_scores = scores + mass
+    want = want_scores.masked_fill(pos >= 45, math.inf).min(-1, keepdim=True).indices
+    got = ops.h2o_victim(scores, mass, pos, 45)
+    assert torch.equal(scores, want_scores) and torch.equal(got, want)
+
+
+@needs_kernels
+def test_kernels_check_their_inputs():
+    scores = torch.zeros(1, 1, 4)
+    with pytest.raises(RuntimeError, match="h2o_victim: scores/mass must be contiguous float32"):
+        ops.h2o_victim(scores, torch.zeros(1, 1, 4, dtype=torch.float64), torch.zeros(1, 1, 4, dtype=torch.long), 1)
+    keys = torch.zeros(1, 1, 4, 2)
+    with pytest.raises(RuntimeError, match="slot index out of range"):
+        ops.write_slot(keys, keys.clone(), torch.zeros(1, 1, 4, dtype=torch.long), scores, torch.tensor([[[4]]]),
+                       torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 1, 2), 0)  # fmt: skip
+
+
+def test_kernels_skip_what_they_do_not_handle():
+    assert kernels.cpu_ops(torch.zeros(4, 4).t()) is None  # not contiguous: the torch ops run
+
+
+@needs_kernels
+@pytest.mark.parametrize("policy", ["h2o", "h2o_mean"])
+def test_generation_with_and_without_kernels_is_identical(tiny_models, policy, monkeypatch):
+    """Batch 2 with left padding, past the point where the steady state is reached: same tokens, same logits."""
+    model = load_model(tiny_models["llama"], device="cpu")[0]
+    ids = random_prompt(40, batch=2)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+
+    def run():
+        return greedy_generate(model, ids, H2OCache(heavy=6, recent=8, policy=policy), 24, attention_mask=mask)
+
+    calls = {"write_slot": 0, "h2o_victim": 0}
+    real_ops = kernels.cpu_ops
+
+    class Counting:
+        def __getattr__(self, name):
+            calls[name] += 1
+            return getattr(ops, name)
+
+    monkeypatch.setattr(kernels, "cpu_ops", lambda *tensors: None if real_ops(*tensors) is None else Counting())
+    fused = run()
+    assert calls["write_slot"] > 0 and (calls["h2o_victim"] > 0) == (policy == "h2o")  # the kernels did run
+    monkeypatch.setattr(kernels, "cpu_ops", lambda *tensors: None)
+    plain = run()
+    for a, b in zip(fused, plain, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_build_failure_warns_and_falls_back(monkeypatch):
+    import torch.utils.cpp_extension
+
+    def broken(**kwargs):
+        raise OSError("no compiler here")
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", broken)
+    monkeypatch.setattr(kernels, "_loaded", {})
+    with pytest.warns(UserWarning, match="could not be built .*no compiler here.*falls back to torch ops"):
+        assert kernels.cpu_ops(torch.zeros(1)) is None
+    assert kernels.cpu_ops(torch.zeros(1)) is None  # warned once, remembered
+    monkeypatch.setattr(kernels, "_loaded", {})
+    monkeypatch.setenv("H2O_KV_FUSED", "0")
+    assert kernels.cpu_ops(torch.zeros(1)) is None and kernels._loaded == {"ops": None}
