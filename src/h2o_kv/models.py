@@ -25,6 +25,8 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
+from . import kernels
+
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "opt", "gpt_neox")
 
@@ -123,6 +125,8 @@ def load_model(
     with _quiet_loading():
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     model.to(device).eval()
+    if device.type == "cpu":
+        kernels.available()  # build the fused decode kernels now (once per machine), not inside the first decode step
     tokenizer = None
     if any((path / name).is_file() for name in _TOKENIZER_FILES):
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)

@@ -219,7 +219,7 @@ def profile_cmd(
         lm = load_bench_model(model, device=device, dtype=dtype)
         result = profile_decode(lm, cfg, steps=steps)
     result["model"], result["device"], result["threads"] = lm.name, str(lm.device), torch.get_num_threads()
-    result["fused_cpu_kernels"] = lm.device.type == "cpu" and kernels.cpu_ops(torch.zeros(1)) is not None
+    result["fused_cpu_kernels"] = lm.device.type == "cpu" and kernels.available()
     split = result["split_ms"]
     print(f"decode step {result['step_ms']:.1f} ms (policy {policy}, budget {heavy}+{recent}, batch {batch}, "
           f"prompt {context}, fused CPU kernels: {'on' if result['fused_cpu_kernels'] else 'off'})")  # fmt: skip

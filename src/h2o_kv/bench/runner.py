@@ -101,7 +101,7 @@ def machine_meta() -> dict:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "fused_cpu_kernels": kernels.cpu_ops(torch.zeros(1)) is not None,  # h2o_kv.kernels (H2O_KV_FUSED)
+        "fused_cpu_kernels": kernels.available(),  # h2o_kv.kernels (H2O_KV_FUSED)
     }
     from importlib.metadata import PackageNotFoundError, version
 

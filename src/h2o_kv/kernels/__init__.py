@@ -32,6 +32,11 @@ def enabled() -> bool:
     return os.environ.get("H2O_KV_FUSED", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+def available() -> bool:
+    """Build or load the kernels now (the build runs once per machine, a load takes ~0.1 s); False if unusable."""
+    return cpu_ops(torch.zeros(1)) is not None
+
+
 def cpu_ops(*tensors: torch.Tensor):
     """The compiled kernels when they apply to ``tensors`` (all on the CPU and contiguous), else ``None``."""
     if not all(t.device.type == "cpu" and t.is_contiguous() for t in tensors):
