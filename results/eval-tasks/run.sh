@@ -44,6 +44,10 @@ if [[ $what == all || $what == needle ]]; then
     run needle $G --peer $press --budget 0.2 --json $OUT/needle_kvpress_${press}_b0.2.json
   done
 fi
+if [[ $what == all || $what == xsum200 ]]; then  # the XSUM target row (h2o vs full) on 200 articles
+  run xsum --limit 200 --policy full --json $OUT/xsum200_full.json
+  run xsum --limit 200 --policy h2o --budget 0.2 --json $OUT/xsum200_h2o_b0.2.json
+fi
 if [[ $what == all || $what == paper ]]; then
   for p in h2o local sink; do
     run tasks --tasks $TASKS --num-fewshot 5 --limit $PAPER_LIMIT --policy $p --budget 0.2 --paper-protocol \

@@ -119,7 +119,11 @@ def main() -> None:
             out += [f"### lm-eval, {title}", "", *tasks_table(records), ""]
             out += ["Paired change of acc vs full (points):", "", *tasks_delta_table(records), ""]
             out += ["Paired change of acc_norm vs full (points):", "", *tasks_delta_table(records, "acc_norm"), ""]
-    for title, pattern, table in (("XSUM", "xsum_*.json", xsum_table), ("needle", "needle_*.json", needle_table)):
+    for title, pattern, table in (
+        ("XSUM", "xsum_*.json", xsum_table),
+        ("XSUM, 200 articles", "xsum200_*.json", xsum_table),
+        ("needle", "needle_*.json", needle_table),
+    ):
         records = load(pattern)
         if records and (table is needle_table or any(r["policy"] == "full" for r in records)):
             out += [f"### {title}", "", *table(records), ""]

@@ -30,7 +30,8 @@ class H2O(Policy):
 
     def decode_victim(self, entries: EntryView, mass, last):
         """On the CPU, one fused pass (:mod:`h2o_kv.kernels`): the scores are updated in place."""
-        ops = kernels.cpu_ops(entries.scores, mass, entries.pos) if mass is not None else None
+        fits = mass is not None and mass.dtype == entries.scores.dtype == torch.float32  # (the kernel's dtypes)
+        ops = kernels.cpu_ops(entries.scores, mass, entries.pos) if fits else None
         if ops is None:
             return super().decode_victim(entries, mass, last)
         return entries.scores, ops.h2o_victim(entries.scores, mass, entries.pos, entries.seen - self.recent)
