@@ -194,10 +194,11 @@ class H2OLayer(CacheLayerMixin):
             if self.slots < self.max_slots and int(self.entry_count().max()) >= self.slots:
                 self._resize(int(min(self.max_slots, self.slots + max(16, self.slots // 4))))
             free = self.valid.byte().argmin(-1, keepdim=True)  # [batch, heads, 1]: the first free slot
-        key, value = key.contiguous(), value.contiguous()
-        ops = kernels.cpu_ops(self.keys, self.values, key, value)
+        ops = kernels.cpu_ops(self.keys, self.values, self.pos, self.scores, free)
         if ops is not None:  # one fused pass for the four writes below
-            ops.write_slot(self.keys, self.values, self.pos, self.scores, free, key, value, self.seen)
+            ops.write_slot(
+                self.keys, self.values, self.pos, self.scores, free, key.contiguous(), value.contiguous(), self.seen
+            )
         else:
             for buffer, new in ((self.keys, key), (self.values, value)):
                 buffer.scatter_(2, free.unsqueeze(-1).expand(-1, -1, -1, new.shape[-1]), new)

@@ -38,7 +38,8 @@ void write_slot(torch::Tensor keys, torch::Tensor values, torch::Tensor pos, tor
 
 // H2O's steady-state step: scores += mass (in place), then per row the first slot of lowest score among those
 // whose column is below `recent_from` (the recent window is never evicted); [batch, heads, 1] int64.
-// Same result as `scores.add_(mass); scores.masked_fill(pos >= recent_from, inf).min(-1, keepdim=True).indices`.
+// Same result as `scores.add_(mass); scores.masked_fill(pos >= recent_from, inf).min(-1, keepdim=True).indices`
+// for NaN-free scores (torch.min would return a NaN's index; a NaN here is never the victim).
 torch::Tensor h2o_victim(torch::Tensor scores, torch::Tensor mass, torch::Tensor pos, int64_t recent_from) {
   TORCH_CHECK(scores.scalar_type() == torch::kFloat && mass.scalar_type() == torch::kFloat &&
                   pos.scalar_type() == torch::kLong && scores.is_contiguous() && mass.is_contiguous() &&
