@@ -6,6 +6,8 @@ import warnings
 
 import torch
 
+from h2o_kv.hf.compat import cache_kwargs
+
 
 def random_prompt(length: int, seed: int = 1, batch: int = 1) -> torch.Tensor:
     """``[batch, length]`` random token ids in ``[3, 500)``, reproducible from ``seed``."""
@@ -22,7 +24,7 @@ def greedy_generate(model, ids, cache, new_tokens, attention_mask=None, pad_toke
     out = model.generate(
         ids,
         attention_mask=torch.ones_like(ids) if attention_mask is None else attention_mask,
-        past_key_values=cache,
+        **cache_kwargs(cache),
         max_new_tokens=new_tokens,
         min_new_tokens=new_tokens,
         do_sample=False,
@@ -39,6 +41,6 @@ def quiet_generate(model, ids, cache, new_tokens, **kwargs):
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="H2OCache budget")
         return model.generate(
-            ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=new_tokens,
+            ids, attention_mask=torch.ones_like(ids), **cache_kwargs(cache), max_new_tokens=new_tokens,
             min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, **kwargs,
         )  # fmt: skip

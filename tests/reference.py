@@ -18,6 +18,8 @@ import torch
 from transformers import AttentionInterface, DynamicCache
 from transformers.masking_utils import AttentionMaskInterface
 
+from h2o_kv.hf.compat import cache_kwargs
+
 NAME = "h2o_reference"
 
 
@@ -140,7 +142,7 @@ def reference_generate(model, input_ids, max_new_tokens, heavy, recent, policy="
                 chunk = torch.cat([chunk, torch.tensor([turn])], dim=1)
             tokens = []
             for _ in range(max_new_tokens):
-                logits = model(chunk, past_key_values=cache, use_cache=True).logits[:, -1]
+                logits = model(chunk, **cache_kwargs(cache), use_cache=True).logits[:, -1]
                 all_logits.append(logits[0])
                 chunk = logits.index_fill(-1, torch.tensor(eos, dtype=torch.long), float("-inf")).argmax(
                     -1, keepdim=True
@@ -160,6 +162,6 @@ def reference_logits(model, input_ids, heavy, recent, policy="h2o", stepwise=Tru
     previous = model.config._attn_implementation
     model.set_attn_implementation(NAME)
     try:
-        return model(input_ids, past_key_values=DynamicCache(), use_cache=True).logits[0]
+        return model(input_ids, **cache_kwargs(DynamicCache()), use_cache=True).logits[0]
     finally:
         model.set_attn_implementation(previous)

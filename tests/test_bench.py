@@ -13,6 +13,7 @@ from h2o_kv import H2OCache
 from h2o_kv.bench import harness, memory, report, runner, workload
 from h2o_kv.bench.cli import app
 from h2o_kv.bench.harness import BenchConfig
+from h2o_kv.hf.compat import cache_kwargs
 
 SMALL = dict(context=64, batch=2, new_tokens=5)
 
@@ -46,7 +47,7 @@ def test_greedy_loop_equals_model_generate(tiny, policy):
     reference_cache = DynamicCache() if policy == "full" else H2OCache(budget=cfg.budget, policy=policy)
     tiny.model.set_attn_implementation("sdpa" if policy == "full" else "h2o")
     expected = tiny.model.generate(
-        prompts, attention_mask=torch.ones_like(prompts), past_key_values=reference_cache, do_sample=False,
+        prompts, attention_mask=torch.ones_like(prompts), **cache_kwargs(reference_cache), do_sample=False,
         max_new_tokens=cfg.new_tokens, min_new_tokens=cfg.new_tokens, pad_token_id=0,
     )[:, cfg.context :]  # fmt: skip
     assert torch.equal(tokens, expected)

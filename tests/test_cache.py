@@ -8,7 +8,8 @@ from helpers import greedy_generate, random_prompt
 from reference import reference_generate, reference_logits
 
 from h2o_kv import H2OCache, load_model
-from h2o_kv.cache import H2OLayer
+from h2o_kv.hf.cache import H2OLayer
+from h2o_kv.hf.compat import cache_kwargs
 
 FAMILIES = ("llama", "mistral", "qwen2", "opt", "gpt_neox")
 
@@ -96,15 +97,18 @@ def test_every_layer_stays_bounded(tiny, monkeypatch):
     """No layer ever holds more than heavy + recent + 1 entries per sequence and head, nor allocates more slots."""
     heavy, recent = 5, 9
     worst = {"entries": 0, "slots": 0}
-    original = H2OLayer.commit
 
-    def watched(self, mass, last):
-        worst["entries"] = max(worst["entries"], int(self.entry_count().max()))
-        original(self, mass, last)
-        worst["entries"] = max(worst["entries"], int(self.entry_count().max()))
-        worst["slots"] = max(worst["slots"], self.slots)
+    def watch(original):
+        def watched(self, *args):
+            worst["entries"] = max(worst["entries"], int(self.entry_count().max()))
+            original(self, *args)
+            worst["entries"] = max(worst["entries"], int(self.entry_count().max()))
+            worst["slots"] = max(worst["slots"], self.slots)
 
-    monkeypatch.setattr(H2OLayer, "commit", watched)
+        return watched
+
+    for name in ("keep", "append", "evict"):
+        monkeypatch.setattr(H2OLayer, name, watch(getattr(H2OLayer, name)))
     cache = H2OCache(heavy=heavy, recent=recent)
     greedy_generate(tiny["llama"], random_prompt(60, batch=2), cache, 30)
     assert worst["entries"] == heavy + recent + 1
@@ -118,9 +122,9 @@ def test_stepwise_equals_token_by_token(tiny):
     """One batched stepwise forward == feeding the tokens one at a time through H2OCache == the reference."""
     model, ids = tiny["llama"], random_prompt(50)
     with torch.no_grad():
-        fast = model(ids, past_key_values=H2OCache(heavy=6, recent=6, stepwise=True)).logits[0]
+        fast = model(ids, **cache_kwargs(H2OCache(heavy=6, recent=6, stepwise=True))).logits[0]
         cache = H2OCache(heavy=6, recent=6)
-        slow = torch.cat([model(ids[:, i : i + 1], past_key_values=cache).logits[0] for i in range(ids.shape[1])])
+        slow = torch.cat([model(ids[:, i : i + 1], **cache_kwargs(cache)).logits[0] for i in range(ids.shape[1])])
     torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(fast, reference_logits(model, ids, 6, 6), atol=1e-4, rtol=1e-4)
 
@@ -157,7 +161,7 @@ def test_without_h2o_attention_the_cache_refuses(tiny, tiny_models):
 
     plain = AutoModelForCausalLM.from_pretrained(tiny_models["llama"], attn_implementation="sdpa")
     with pytest.raises(RuntimeError, match="enable_h2o"):
-        plain(random_prompt(20), past_key_values=H2OCache(heavy=4, recent=4))
+        plain(random_prompt(20), **cache_kwargs(H2OCache(heavy=4, recent=4)))
     # the failed forward leaves nothing behind: the next cache in this thread works
     expected, _ = reference_generate(tiny["llama"], random_prompt(30), 6, heavy=4, recent=4)
     tokens, _ = greedy_generate(tiny["llama"], random_prompt(30), H2OCache(heavy=4, recent=4), 6)
@@ -178,7 +182,8 @@ def test_without_h2o_attention_the_cache_refuses(tiny, tiny_models):
         (dict(budget=0.2, heavy=4), "either budget .* or heavy/recent"),
         (dict(heavy=4, recent=4, policy="nope"), "policy must be one of"),
         (dict(heavy=4, recent=4, prefill_chunk_mb=0), "prefill_chunk_mb must be > 0"),
-        (dict(), "give heavy and recent"),
+        (dict(), "give budget .* or heavy and recent"),
+        (dict(budget=0.2, policy="full"), "keeps every entry: give no budget"),
     ],
 )
 def test_bad_arguments_raise(kwargs, message):
@@ -186,6 +191,9 @@ def test_bad_arguments_raise(kwargs, message):
         H2OCache(**kwargs)
 
 
-def test_budget_that_keeps_nothing_raises(tiny):
-    with pytest.raises(ValueError, match="keeps no entry"):
-        greedy_generate(tiny["llama"], random_prompt(4), H2OCache(budget=0.2), 2)
+def test_budget_of_a_short_prompt_keeps_one_entry_of_each(tiny):
+    """floor(0.2 * 4 / 2) = 0: the rule keeps at least one heavy and one recent entry (h2o_kv.Budget)."""
+    cache = H2OCache(budget=0.2)
+    greedy_generate(tiny["llama"], random_prompt(4), cache, 6)
+    assert (cache.heavy, cache.recent) == (1, 1)
+    assert cache.stats()["kv_tokens"] == 2

@@ -14,6 +14,7 @@ from h2o_kv import H2OCache, load_model
 from h2o_kv.eval.cli import app
 from h2o_kv.eval.ppl import PPLInputError, PPLJob, budget_split, read_text, streaming_nll, strip_gutenberg, summarize
 from h2o_kv.eval.results import SHARED_DATA
+from h2o_kv.hf.compat import cache_kwargs
 
 BOOKS = {
     "pg19/pg10146_reminiscences_of_pioneer_days_in_st_paul.txt": "E-text prepared by Josephine Paolucci",
@@ -41,7 +42,7 @@ def one_token_at_a_time(model, ids, cache) -> torch.Tensor:
     """The slow definition: one forward per token through an H2OCache, NLL of the next token."""
     nll = []
     for t in range(ids.shape[1] - 1):
-        logits = model(ids[:, t : t + 1], past_key_values=cache).logits[0, -1]
+        logits = model(ids[:, t : t + 1], **cache_kwargs(cache)).logits[0, -1]
         nll.append(-torch.log_softmax(logits.double(), -1)[ids[0, t + 1]])
     return torch.stack(nll)
 

@@ -23,6 +23,7 @@ from h2o_kv.eval.tasks import (
     run_tasks,
     score_continuations,
 )
+from h2o_kv.hf.compat import cache_kwargs
 
 pytest.importorskip("lm_eval", reason="h2o-kv eval tasks needs lm-eval: pip install 'h2o-kv[eval]'")
 pytestmark = pytest.mark.filterwarnings("ignore:H2OCache budget heavy")
@@ -47,14 +48,14 @@ def token_by_token(model, context, continuation, policy, heavy, recent, paper) -
     cache = H2OCache(heavy=heavy, recent=recent, policy=policy)
     if paper:
         for token in context:
-            logits = model(torch.tensor([[token]]), past_key_values=cache).logits[0, -1]
+            logits = model(torch.tensor([[token]]), **cache_kwargs(cache)).logits[0, -1]
     else:
-        logits = model(torch.tensor([context]), past_key_values=cache).logits[0, -1]
+        logits = model(torch.tensor([context]), **cache_kwargs(cache)).logits[0, -1]
     total = 0.0
     for i, token in enumerate(continuation):
         total += float(torch.log_softmax(logits.float(), -1)[token])
         if i + 1 < len(continuation):
-            logits = model(torch.tensor([[token]]), past_key_values=cache).logits[0, -1]
+            logits = model(torch.tensor([[token]]), **cache_kwargs(cache)).logits[0, -1]
     return total
 
 
@@ -107,7 +108,7 @@ def test_generate_equals_model_generate(tiny_llama):
     tokens, _ = KVRunner(tiny_llama, KVSpec("h2o", heavy=6, recent=6)).generate(prompt, 12)
     out = tiny_llama.generate(
         torch.tensor([prompt]), attention_mask=torch.ones(1, 40, dtype=torch.long), max_new_tokens=12,
-        min_new_tokens=12, do_sample=False, past_key_values=H2OCache(heavy=6, recent=6), pad_token_id=0,
+        min_new_tokens=12, do_sample=False, **cache_kwargs(H2OCache(heavy=6, recent=6)), pad_token_id=0,
     )  # fmt: skip
     assert tokens == out[0, 40:].tolist()
 

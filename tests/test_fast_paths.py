@@ -14,8 +14,10 @@ import pytest
 import torch
 from helpers import greedy_generate, random_prompt
 
-from h2o_kv import H2OCache, load_model, scoring
-from h2o_kv.cache import H2OLayer
+from h2o_kv import H2OCache, load_model
+from h2o_kv.hf import scoring
+from h2o_kv.hf.cache import H2OLayer
+from h2o_kv.hf.compat import cache_kwargs
 
 
 def _inputs(kept: int, rows: int, batch: int = 2, q_heads: int = 6, kv_heads: int = 2, dim: int = 16, seed: int = 0):
@@ -67,15 +69,20 @@ def test_padded_rows_add_no_mass_in_small_blocks():
 
 
 def _without_fast_path(monkeypatch):
-    """Make every decode step take the general path (the steady-state flags are never set)."""
-    original = H2OLayer.commit
+    """Make every decode step take the general path (the steady-state hints are never set)."""
+    append, evict = H2OLayer.append, H2OLayer.evict
 
-    def general(self, mass, last):
-        self._free, self.full = None, False
-        original(self, mass, last)
+    def general_append(self, *args):
+        self._free = None
+        append(self, *args)
+        self.full = False
+
+    def general_evict(self, *args):
+        evict(self, *args)
         self._free = None
 
-    monkeypatch.setattr(H2OLayer, "commit", general)
+    monkeypatch.setattr(H2OLayer, "append", general_append)
+    monkeypatch.setattr(H2OLayer, "evict", general_evict)
 
 
 @pytest.fixture(scope="module")
@@ -88,13 +95,13 @@ def test_steady_state_decode_equals_the_general_step(llama, policy, monkeypatch)
     ids = random_prompt(40, batch=2)
     fast_cache = H2OCache(heavy=6, recent=8, policy=policy)
     seen = {"fast": 0}
-    original = H2OLayer._evict_one
+    original = H2OLayer.evict
 
-    def counting(self, p, *args):
+    def counting(self, *args):
         seen["fast"] += bool(self.full)
-        original(self, p, *args)
+        original(self, *args)
 
-    monkeypatch.setattr(H2OLayer, "_evict_one", counting)
+    monkeypatch.setattr(H2OLayer, "evict", counting)
     fast, fast_logits = greedy_generate(llama, ids, fast_cache, 20)
     assert seen["fast"] > 0  # the steady state was reached
     monkeypatch.undo()
@@ -103,10 +110,9 @@ def test_steady_state_decode_equals_the_general_step(llama, policy, monkeypatch)
     slow, slow_logits = greedy_generate(llama, ids, slow_cache, 20)
     assert torch.equal(fast, slow)
     torch.testing.assert_close(fast_logits, slow_logits, atol=1e-5, rtol=1e-5)
-    assert all(layer._stale is not None for layer in fast_cache.layers)  # the last victims were freed lazily
     for a, b in zip(fast_cache.layers, slow_cache.layers, strict=True):
-        assert torch.equal(a.valid, b.valid) and torch.equal(a.pos, b.pos)  # reading `valid` clears them
-    assert fast_cache.stats()["kv_tokens"] == 14 and all(layer._stale is None for layer in fast_cache.layers)
+        assert torch.equal(a.valid, b.valid) and torch.equal(a.pos, b.pos) and torch.equal(a.scores, b.scores)
+    assert fast_cache.stats()["kv_tokens"] == 14
 
 
 def test_stepwise_padding_leaves_the_fast_path(llama, monkeypatch):
@@ -117,8 +123,8 @@ def test_stepwise_padding_leaves_the_fast_path(llama, monkeypatch):
         mask = torch.ones(1, 36, dtype=torch.long)
         mask[0, 31] = mask[0, 33] = 0  # pad tokens inside the second chunk
         with torch.no_grad():
-            first = llama(random_prompt(30), past_key_values=cache).logits
-            second = llama(random_prompt(6, seed=5), attention_mask=mask, past_key_values=cache).logits
+            first = llama(random_prompt(30), **cache_kwargs(cache)).logits
+            second = llama(random_prompt(6, seed=5), attention_mask=mask, **cache_kwargs(cache)).logits
         assert all(int(layer.entry_count().max()) == 8 for layer in cache.layers)
         return torch.cat([first, second], dim=1)
 
@@ -136,7 +142,7 @@ def test_prompt_without_padding_mask_records_the_start(llama, policy):
     for mask in (None, torch.ones_like(ids)):
         cache = H2OCache(heavy=4, recent=4, policy=policy)
         with torch.no_grad():
-            llama(input_ids=ids, attention_mask=mask, past_key_values=cache)
+            llama(input_ids=ids, attention_mask=mask, **cache_kwargs(cache))
         assert cache.layers[0].start.tolist() == [0]
         kept.append([lay.pos[0, h][lay.valid[0, h]].sort().values.tolist() for lay in cache.layers for h in (0, 1)])
     assert kept[0] == kept[1]

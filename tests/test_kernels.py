@@ -22,14 +22,16 @@ def test_write_slot_equals_scatter(dtype):
     keys, values = (torch.randn(batch, heads, slots, dim, generator=g).to(dtype) for _ in range(2))
     pos, scores = torch.randint(0, 99, (batch, heads, slots), generator=g), torch.rand(batch, heads, slots, generator=g)
     key, value = (torch.randn(batch, heads, 1, dim, generator=g).to(dtype) for _ in range(2))
+    valid = torch.rand(batch, heads, slots, generator=g) > 0.5
     free = torch.randint(0, slots, (batch, heads, 1), generator=g)
-    want = [t.clone() for t in (keys, values, pos, scores)]
+    want = [t.clone() for t in (keys, values, pos, scores, valid)]
     for buffer, new in zip(want[:2], (key, value), strict=True):
         buffer.scatter_(2, free.unsqueeze(-1).expand(-1, -1, -1, dim), new)
     want[2].scatter_(2, free, 123)
     want[3].scatter_(2, free, 0.0)
-    ops.write_slot(keys, values, pos, scores, free, key, value, 123)
-    for got, expected in zip((keys, values, pos, scores), want, strict=True):
+    want[4].scatter_(2, free, True)
+    ops.write_slot(keys, values, pos, scores, valid, free, key, value, 123)
+    for got, expected in zip((keys, values, pos, scores, valid), want, strict=True):
         assert torch.equal(got, expected)
 
 
@@ -53,10 +55,13 @@ def test_kernels_check_their_inputs():
     scores = torch.zeros(1, 1, 4)
     with pytest.raises(RuntimeError, match="h2o_victim: scores/mass must be contiguous float32"):
         ops.h2o_victim(scores, torch.zeros(1, 1, 4, dtype=torch.float64), torch.zeros(1, 1, 4, dtype=torch.long), 1)
-    keys = torch.zeros(1, 1, 4, 2)
+    keys, pos, valid = torch.zeros(1, 1, 4, 2), torch.zeros(1, 1, 4, dtype=torch.long), torch.zeros(1, 1, 4).bool()
     with pytest.raises(RuntimeError, match="slot index out of range"):
-        ops.write_slot(keys, keys.clone(), torch.zeros(1, 1, 4, dtype=torch.long), scores, torch.tensor([[[4]]]),
-                       torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 1, 2), 0)  # fmt: skip
+        ops.write_slot(keys, keys.clone(), pos, scores, valid, torch.tensor([[[4]]]), torch.zeros(1, 1, 1, 2),
+                       torch.zeros(1, 1, 1, 2), 0)  # fmt: skip
+    with pytest.raises(RuntimeError, match="valid must be a contiguous bool tensor"):
+        ops.write_slot(keys, keys.clone(), pos, scores, valid.byte(), torch.tensor([[[0]]]), torch.zeros(1, 1, 1, 2),
+                       torch.zeros(1, 1, 1, 2), 0)  # fmt: skip
 
 
 def test_kernels_skip_what_they_do_not_handle():

@@ -18,6 +18,8 @@ from transformers import (
 )
 
 from h2o_kv import models
+from h2o_kv.hf.compat import cache_kwargs
+from h2o_kv.hf.scoring import ATTENTION_NAME
 from h2o_kv.models import (
     DEFAULT_MODEL,
     SUPPORTED_MODEL_TYPES,
@@ -28,7 +30,6 @@ from h2o_kv.models import (
     load_model,
     model_context_length,
 )
-from h2o_kv.scoring import ATTENTION_NAME
 
 CLASSES = {
     "llama": "LlamaForCausalLM",
@@ -74,7 +75,7 @@ def test_enable_h2o_keeps_outputs_with_ordinary_cache(tiny_models, family):
     with torch.no_grad():
         after = model(ids).logits
         tokens_after = model.generate(
-            ids, max_new_tokens=8, min_new_tokens=8, do_sample=False, past_key_values=DynamicCache()
+            ids, max_new_tokens=8, min_new_tokens=8, do_sample=False, **cache_kwargs(DynamicCache())
         )
     torch.testing.assert_close(after, before, atol=1e-5, rtol=1e-5)
     assert torch.equal(tokens_after, tokens_before)

@@ -8,6 +8,7 @@ from helpers import greedy_generate, random_prompt
 from reference import reference_generate, reference_logits
 
 from h2o_kv import POLICIES, H2OCache, load_model
+from h2o_kv.hf.compat import cache_kwargs
 from h2o_kv.policies import EntryView, Random, SnapKV, make_policy
 from h2o_kv.policies.random import random_keys
 
@@ -52,8 +53,8 @@ def test_tova_matches_reference(tiny, family):
 def test_tova_stepwise_matches_reference_and_differs_from_h2o(tiny):
     model, ids = tiny["llama"], random_prompt(48, seed=7)
     with torch.no_grad():
-        tova = model(ids, past_key_values=H2OCache(heavy=4, recent=4, policy="tova", stepwise=True)).logits[0]
-        h2o = model(ids, past_key_values=H2OCache(heavy=4, recent=4, policy="h2o", stepwise=True)).logits[0]
+        tova = model(ids, **cache_kwargs(H2OCache(heavy=4, recent=4, policy="tova", stepwise=True))).logits[0]
+        h2o = model(ids, **cache_kwargs(H2OCache(heavy=4, recent=4, policy="h2o", stepwise=True))).logits[0]
     torch.testing.assert_close(tova, reference_logits(model, ids, 4, 4, "tova"), atol=1e-4, rtol=1e-4)
     assert (tova - h2o).abs().max() > 1e-2  # the two policies really keep different entries
 
@@ -64,9 +65,9 @@ def test_tova_has_no_protected_recent_window(tiny):
     newest_evicted = 0
     cache = H2OCache(heavy=2, recent=2, policy="tova")
     with torch.no_grad():
-        model(ids[:, :8], past_key_values=cache)
+        model(ids[:, :8], **cache_kwargs(cache))
         for t in range(8, 64):
-            model(ids[:, t : t + 1], past_key_values=cache)
+            model(ids[:, t : t + 1], **cache_kwargs(cache))
             newest_evicted += sum(
                 t not in kept_positions(cache, layer, head) for layer in range(2) for head in range(2)
             )
@@ -84,8 +85,8 @@ def test_h2o_mean_matches_reference_and_differs_from_h2o(tiny):
     assert tokens[0].tolist() == expected[0]
     torch.testing.assert_close(logits[0], expected_logits, atol=1e-4, rtol=1e-4)
     with torch.no_grad():
-        mean = model(ids, past_key_values=H2OCache(heavy=4, recent=4, policy="h2o_mean", stepwise=True)).logits[0]
-        summed = model(ids, past_key_values=H2OCache(heavy=4, recent=4, policy="h2o", stepwise=True)).logits[0]
+        mean = model(ids, **cache_kwargs(H2OCache(heavy=4, recent=4, policy="h2o_mean", stepwise=True))).logits[0]
+        summed = model(ids, **cache_kwargs(H2OCache(heavy=4, recent=4, policy="h2o", stepwise=True))).logits[0]
     torch.testing.assert_close(mean, reference_logits(model, ids, 4, 4, "h2o_mean"), atol=1e-4, rtol=1e-4)
     assert (mean - summed).abs().max() > 1e-2  # a different ranking really keeps different entries
 
@@ -159,7 +160,7 @@ def test_random_keeps_recent_plus_a_seeded_random_subset(tiny):
     def run(seed):
         cache = H2OCache(heavy=heavy, recent=recent, policy="random", seed=seed, stepwise=True)
         with torch.no_grad():
-            logits = model(ids, past_key_values=cache).logits
+            logits = model(ids, **cache_kwargs(cache)).logits
         return cache, logits
 
     cache, logits = run(3)

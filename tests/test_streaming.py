@@ -10,7 +10,9 @@ from helpers import quiet_generate
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import h2o_kv
-from h2o_kv import H2OCache, rotary
+from h2o_kv import H2OCache
+from h2o_kv.hf import rotary
+from h2o_kv.hf.compat import cache_kwargs
 from h2o_kv.models import load_model
 
 ROPE_FAMILIES = ("llama", "mistral", "qwen2", "gpt_neox")  # gpt_neox: partial rotary (rotary_pct 0.25)
@@ -54,9 +56,9 @@ def test_same_tokens_as_plain_cache_while_nothing_is_evicted(tiny, family):
     streamed = quiet_generate(model, ids, H2OCache(heavy=64, recent=64, streaming=True), 40)
     assert torch.equal(plain, streamed)
     with torch.no_grad():  # teacher-forced logits, prompt-chunk path and stepwise path
-        reference = model(ids, past_key_values=H2OCache(heavy=64, recent=64)).logits
-        chunk = model(ids, past_key_values=H2OCache(heavy=64, recent=64, streaming=True)).logits
-        steps = model(ids, past_key_values=H2OCache(heavy=64, recent=64, streaming=True, stepwise=True)).logits
+        reference = model(ids, **cache_kwargs(H2OCache(heavy=64, recent=64))).logits
+        chunk = model(ids, **cache_kwargs(H2OCache(heavy=64, recent=64, streaming=True))).logits
+        steps = model(ids, **cache_kwargs(H2OCache(heavy=64, recent=64, streaming=True, stepwise=True))).logits
     torch.testing.assert_close(chunk, reference, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(steps, reference, atol=1e-5, rtol=1e-5)
 
@@ -94,7 +96,7 @@ def test_stepwise_long_text_stays_finite_and_bounded(tiny):
     ids = torch.randint(3, 512, (1, 3 * model.config.max_position_embeddings + 10))
     cache = H2OCache(heavy=8, recent=24, streaming=True, stepwise=True)
     with torch.no_grad():
-        logits = torch.cat([model(part, past_key_values=cache).logits for part in ids.split(200, dim=1)], dim=1)
+        logits = torch.cat([model(part, **cache_kwargs(cache)).logits for part in ids.split(200, dim=1)], dim=1)
     assert logits.shape[1] == ids.shape[1] and torch.isfinite(logits).all()
     assert cache.stats()["kv_tokens"] == 32 and max(layer.slots for layer in cache.layers) <= 33
 
@@ -120,8 +122,8 @@ def test_sink_stream_equals_recomputing_the_kept_window():
     sinks, capacity = 2, 8
     with torch.no_grad():
         cache = H2OCache(heavy=4, recent=4, policy="sink", sinks=sinks, stepwise=True, streaming=True)
-        streamed = model(ids, past_key_values=cache).logits[0]
-        plain = model(ids, past_key_values=H2OCache(heavy=4, recent=4, policy="sink", sinks=sinks, stepwise=True))
+        streamed = model(ids, **cache_kwargs(cache)).logits[0]
+        plain = model(ids, **cache_kwargs(H2OCache(heavy=4, recent=4, policy="sink", sinks=sinks, stepwise=True)))
         for t in (capacity, 63, 64, 150, 199):  # before and far past max_position_embeddings = 64
             kept = torch.cat([ids[0, :sinks], ids[0, t - (capacity - sinks) : t + 1]])
             fresh = model(kept[None]).logits[0, -1]
@@ -144,7 +146,7 @@ def test_padded_batch_equals_single_sequences(tiny):
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="H2OCache budget")
         out = model.generate(
-            batch, attention_mask=mask, past_key_values=H2OCache(heavy=8, recent=8, streaming=True),
+            batch, attention_mask=mask, **cache_kwargs(H2OCache(heavy=8, recent=8, streaming=True)),
             max_new_tokens=30, min_new_tokens=30, do_sample=False, pad_token_id=0,
         )  # fmt: skip
     assert torch.equal(out[0, -30:], single[0]) and torch.equal(out[1, -30:], single[1])
@@ -174,7 +176,7 @@ def test_long_prompt_chunk_warns_past_the_window(tiny):
     model = tiny["llama"]
     ids = torch.randint(3, 512, (1, model.config.max_position_embeddings + 20))
     with pytest.warns(UserWarning, match="stepwise=True"), torch.no_grad():
-        model(ids, past_key_values=H2OCache(heavy=8, recent=8, streaming=True))
+        model(ids, **cache_kwargs(H2OCache(heavy=8, recent=8, streaming=True)))
 
 
 def test_sliding_window_counts_in_cache_positions():
@@ -195,7 +197,7 @@ def test_sliding_window_counts_in_cache_positions():
     for window in (None, 64):
         cache = H2OCache(heavy=16, recent=16, policy="sink", streaming=True, stepwise=True)
         with torch.no_grad():
-            logits.append(tiny_mistral(window)(ids, past_key_values=cache).logits)
+            logits.append(tiny_mistral(window)(ids, **cache_kwargs(cache)).logits)
     torch.testing.assert_close(logits[0], logits[1])
     with pytest.raises(ValueError, match="sliding_window=64"), torch.no_grad():
-        tiny_mistral(64)(ids[:, :8], past_key_values=H2OCache(heavy=32, recent=32, streaming=True, stepwise=True))
+        tiny_mistral(64)(ids[:, :8], **cache_kwargs(H2OCache(heavy=32, recent=32, streaming=True, stepwise=True)))

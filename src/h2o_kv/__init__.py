@@ -1,17 +1,33 @@
 """h2o-kv: H2O (Heavy-Hitter Oracle) KV-cache eviction with real memory savings for Hugging Face models."""
 
-from .cache import H2OCache
+from .budget import Budget
 from .policies import POLICIES, Policy
-from .scoring import ATTENTION_NAME, register_attention
 
-__all__ = ["ATTENTION_NAME", "POLICIES", "H2OCache", "Policy", "enable_h2o", "load_model", "register_attention"]
-__version__ = "0.1.0"
+__all__ = [
+    "ATTENTION_NAME",
+    "POLICIES",
+    "Budget",
+    "H2OCache",
+    "Policy",
+    "enable_h2o",
+    "load_model",
+    "register_attention",
+]
+__version__ = "0.2.0"
+
+_LAZY = {  # (module, name): importing transformers takes seconds, so the backends load on first use
+    "H2OCache": ("h2o_kv.hf.cache", "H2OCache"),
+    "ATTENTION_NAME": ("h2o_kv.hf.scoring", "ATTENTION_NAME"),
+    "register_attention": ("h2o_kv.hf.scoring", "register_attention"),
+    "load_model": ("h2o_kv.models", "load_model"),
+    "enable_h2o": ("h2o_kv.models", "enable_h2o"),
+}
 
 
 def __getattr__(name):
-    # models.py imports transformers' model classes; load it on first use only
-    if name in ("load_model", "enable_h2o"):
-        from . import models
+    if name in _LAZY:
+        import importlib
 
-        return getattr(models, name)
-    raise AttributeError(name)
+        module, attribute = _LAZY[name]
+        return getattr(importlib.import_module(module), attribute)
+    raise AttributeError(f"module 'h2o_kv' has no attribute {name!r}")

@@ -4,7 +4,7 @@
   the conversation (Hugging Face's ``generate`` otherwise expects the full token history as ``input_ids``).
 * :class:`ChatSession` - a conversation on one :class:`~h2o_kv.H2OCache` kept across turns: the model's chat
   template is applied turn by turn, so only each new turn is fed. With ``streaming=True`` (the default) keys are
-  re-rotated at their place inside the cache (:mod:`h2o_kv.rotary`), so a conversation of any length runs in
+  re-rotated at their place inside the cache (:mod:`h2o_kv.hf.rotary`), so a conversation of any length runs in
   bounded memory and never leaves the model's trained positions (StreamingLLM, arXiv:2309.17453; the H2O paper's
   streaming variant, arXiv:2306.14048).
 * ``app`` - the typer command ``h2o-kv chat`` (also ``python -m h2o_kv.chat``): status line per turn, ``/reset``,
@@ -23,7 +23,8 @@ from typing import Any, TextIO
 import torch
 import typer
 
-from .cache import H2OCache
+from .hf import compat
+from .hf.cache import H2OCache
 from .policies import POLICIES
 
 _BUDGET_WARNING = "H2OCache budget heavy \\+ recent"
@@ -54,9 +55,9 @@ def continue_generation(
             ``continue_generation`` (``feed_last=True``) that is just the next turn; after a plain ``generate`` it
             also includes that call's last generated token, which ``generate`` returns but never feeds.
         attention_mask: ``[batch, n]`` for the new tokens (left padding), or ``[batch, seen + n]`` covering the
-            whole history. Only needed for padded batches. With a non-streaming cache the positions of the new
-            tokens are ``seen + i`` (for padded earlier turns, pass the full history mask to keep them exact);
-            a streaming cache ignores absolute positions altogether.
+            whole history. Only needed for padded batches. The positions of the new tokens are ``seen + i`` (for
+            padded earlier turns, pass the full history mask to keep them exact); a streaming cache ignores
+            absolute positions altogether.
         feed_last: feed the last generated token into the cache before returning.
         **kwargs: anything ``model.generate`` accepts (``max_new_tokens``, ``do_sample``, ``streamer``, ...).
 
@@ -67,8 +68,8 @@ def continue_generation(
         raise ValueError(f"input_ids must be [batch, n] with n >= 1 new tokens, got shape {tuple(input_ids.shape)}")
     batch, new = input_ids.shape
     seen = cache.get_seq_length() if cache is not None else 0
-    if "past_key_values" in kwargs or "cache_position" in kwargs:
-        raise ValueError("continue_generation sets past_key_values and cache_position itself")
+    if {"past_key_values", "cache", "cache_position"} & kwargs.keys():
+        raise ValueError("continue_generation passes the cache and the positions itself")
     if attention_mask is not None and attention_mask.shape[1] not in (new, seen + new):
         raise ValueError(
             f"attention_mask must cover the {new} new tokens or the whole history ({seen + new}), "
@@ -77,22 +78,15 @@ def continue_generation(
     device = input_ids.device
     if attention_mask is None:
         attention_mask = torch.ones((batch, new), dtype=torch.long, device=device)
-    if seen == 0:
-        output = model.generate(input_ids, attention_mask=attention_mask, past_key_values=cache, **kwargs)
-    else:
-        if getattr(cache, "streaming", False):
-            attention_mask = attention_mask[:, -new:]  # positions are re-derived inside the cache
-        elif attention_mask.shape[1] == new:  # absolute positions: seen + i
-            attention_mask = torch.cat([attention_mask.new_ones((batch, seen)), attention_mask], dim=1)
-        cache_position = torch.arange(seen, seen + new, device=device)
-        output = model.generate(
-            input_ids, attention_mask=attention_mask, past_key_values=cache, cache_position=cache_position, **kwargs
-        )
+    if attention_mask.shape[1] == new and seen:  # generate wants the mask of the whole history
+        attention_mask = torch.cat([attention_mask.new_ones((batch, seen)), attention_mask], dim=1)
+    more = compat.continuation_kwargs(seen, new, device) if seen else {}
+    output = model.generate(input_ids, attention_mask=attention_mask, **compat.cache_kwargs(cache), **more, **kwargs)
     sequences = output if isinstance(output, torch.Tensor) else output.sequences
     if feed_last and cache is not None and sequences.shape[1] > new:
         done = cache.get_seq_length()
         with torch.no_grad():  # the token generate never fed back: now the cache has seen all of `sequences`
-            model(sequences[:, -1:], past_key_values=cache, cache_position=torch.arange(done, done + 1, device=device))
+            model(sequences[:, -1:], **compat.cache_kwargs(cache), **compat.forward_kwargs(done, 1, device))
     return output
 
 

@@ -50,7 +50,7 @@ class _TimingStreamer:
 
 def build_cache(policy: str, budget: float | None, heavy: int | None, recent: int | None, **options):
     """The cache for the command-line options (a stock ``DynamicCache`` for ``--policy full`` without budget)."""
-    from .cache import H2OCache
+    from .hf.cache import H2OCache
 
     if budget is None and heavy is None and recent is None and policy != "full":
         raise typer.BadParameter("give --budget (a ratio in (0, 1]) or --heavy and --recent (token counts)")
@@ -79,6 +79,7 @@ def generate(
     """Generate text with a bounded KV cache and print one summary line (entries, memory, speed)."""
     import torch
 
+    from .hf.compat import cache_kwargs
     from .models import load_model, model_context_length
 
     if file is not None:
@@ -122,7 +123,7 @@ def generate(
     start = time.perf_counter()
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("always")
-        output = lm.generate(**inputs, past_key_values=cache, max_new_tokens=max_new_tokens, do_sample=False,
+        output = lm.generate(**inputs, **cache_kwargs(cache), max_new_tokens=max_new_tokens, do_sample=False,
                              streamer=streamer, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
     end = time.perf_counter()
     generated = output.shape[1] - length

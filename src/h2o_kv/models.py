@@ -79,7 +79,7 @@ def enable_h2o(model):
     starts evicting once generation runs with an H2O cache.
     """
     check_supported(model.config)
-    from h2o_kv.scoring import ATTENTION_NAME, register_attention
+    from h2o_kv.hf.scoring import ATTENTION_NAME, register_attention
 
     register_attention()
     model.set_attn_implementation(ATTENTION_NAME)
@@ -91,7 +91,7 @@ def enable_h2o(model):
     }
     if wrong:
         raise RuntimeError(f"could not switch attention implementation to {ATTENTION_NAME!r}: {wrong}")
-    from h2o_kv.rotary import attach_rotary
+    from h2o_kv.hf.rotary import attach_rotary
 
     attach_rotary(model)  # streaming mode re-rotates keys with the model's own RoPE table
     return model
@@ -237,9 +237,9 @@ def _load_gguf(gguf_path: pathlib.Path):
 
     directory, name = str(gguf_path.parent), gguf_path.name
     config = AutoConfig.from_pretrained(directory, gguf_file=name, local_files_only=True)
-    model_class = AutoModelForCausalLM._model_mapping[type(config)]
     with torch.device("meta"):
-        skeleton = model_class(config)
+        skeleton = AutoModelForCausalLM.from_config(config)
+    model_class = type(skeleton)
     state_dict = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=skeleton)["tensors"]
     model = model_class.from_pretrained(None, config=config, state_dict=state_dict, dtype=torch.float32)
     # Drop any quantization bookkeeping so that save_pretrained writes a plain float checkpoint.

@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .hf.compat import cache_kwargs
+
 KVPRESS_VERSION = "0.5.5"
 
 PRESSES: dict[str, str] = {
@@ -178,7 +180,7 @@ def press_prefill(
     ratio = compression_ratio(length, keep)
     cache = DynamicCache()
     with press_context(model, name, ratio, length):
-        out = model(input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = model(input_ids, **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
     return PressState(cache, length, cache.get_seq_length(), length, ratio, out.logits[:, -1])
 
 
@@ -187,7 +189,7 @@ def press_extend(model, state: PressState, input_ids: torch.Tensor) -> torch.Ten
     """Feed ``input_ids`` ([B, T]) after the compressed context (no eviction); returns logits [B, T, vocab]."""
     batch, steps = input_ids.shape
     positions = torch.arange(state.next_position, state.next_position + steps, device=input_ids.device)
-    out = model(input_ids, past_key_values=state.cache, position_ids=positions.expand(batch, -1), use_cache=True)
+    out = model(input_ids, **cache_kwargs(state.cache), position_ids=positions.expand(batch, -1), use_cache=True)
     state.next_position += steps
     return out.logits
 

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from ..hf.compat import cache_kwargs
 from .memory import PeakMemory, cache_bytes
 from .workload import LoadedModel, make_prompts
 
@@ -160,7 +161,7 @@ def greedy_decode(model, cache, first_ids: torch.Tensor, start: int, steps: int,
     for i in range(steps):
         position = torch.full((batch, 1), start + i, dtype=torch.long, device=device)
         t0 = time.perf_counter()
-        out = model(input_ids=ids, past_key_values=cache, position_ids=position, use_cache=True)
+        out = model(input_ids=ids, **cache_kwargs(cache), position_ids=position, use_cache=True)
         ids = out.logits[:, -1:].argmax(-1)
         _sync(device)
         times.append(time.perf_counter() - t0)
@@ -174,7 +175,7 @@ def greedy_decode(model, cache, first_ids: torch.Tensor, start: int, steps: int,
 def _prefill(run: _Run, ids: torch.Tensor):
     cache = run.make_cache()
     with run.prefill_context():
-        out = run.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = run.model(input_ids=ids, **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
     return cache, out.logits[:, -1:].argmax(-1)
 
 

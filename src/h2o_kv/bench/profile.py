@@ -2,13 +2,13 @@
 
 The step is split with wall-clock timers around the cache's entry points (the model is run unchanged):
 
-* slot write: :meth:`H2OLayer.write_step` (free-slot search, key/value/position/score writes);
-* score update: the policy's ``accumulate`` inside :meth:`H2OLayer.commit`, plus the per-key mass reduction in the
-  attention function (measured in a second pass as the difference between each attention call with and without
-  ``need_mass`` on the same cache state, run back to back in alternating order);
-* victim choice: :meth:`H2OLayer._evict_one` (rank, lowest entry, free the slot: lazily in the steady state; there
-  the policy's ``decode_victim`` also folds in the mass, so H2O's fused CPU kernel counts its score addition here);
-* attention: :func:`h2o_kv.scoring.attention_with_mass` without the mass reduction;
+* slot write: :meth:`H2OLayer.append` (free-slot search, key/value/position/score/validity writes);
+* score update: the per-key mass reduction in the attention function (measured in a second pass as the difference
+  between each attention call with and without ``need_mass`` on the same cache state, run back to back in
+  alternating order);
+* victim choice: :meth:`H2OLayer.evict` (the policy folds the mass into its scores and ranks; the lowest entry's slot
+  is freed; H2O's fused CPU kernel does the score addition and the choice in one pass);
+* attention: :func:`h2o_kv.hf.scoring.attention_with_mass` without the mass reduction;
 * the rest: projections, MLPs, norms, RoPE, the LM head and Python overhead.
 
 Eviction bookkeeping = slot write + score update + victim choice. A ``torch.profiler`` table of the hottest
@@ -24,19 +24,19 @@ from collections import Counter
 
 import torch
 
+from ..hf.compat import cache_kwargs
 from .harness import BenchConfig, _prefill, _Run
 from .workload import LoadedModel, make_prompts
 
 
 @contextlib.contextmanager
 def _timers(totals: Counter, *, paired_mass: bool = False):
-    from h2o_kv import cache as cache_mod
-    from h2o_kv import scoring
+    from h2o_kv.hf import cache as cache_mod
+    from h2o_kv.hf import scoring
 
     originals = {
-        (cache_mod.H2OLayer, "write_step"): cache_mod.H2OLayer.write_step,
-        (cache_mod.H2OLayer, "commit"): cache_mod.H2OLayer.commit,
-        (cache_mod.H2OLayer, "_evict_one"): cache_mod.H2OLayer._evict_one,
+        (cache_mod.H2OLayer, "append"): cache_mod.H2OLayer.append,
+        (cache_mod.H2OLayer, "evict"): cache_mod.H2OLayer.evict,
         (scoring, "attention_with_mass"): scoring.attention_with_mass,
     }
 
@@ -71,9 +71,8 @@ def _timers(totals: Counter, *, paired_mass: bool = False):
             without_mass()
         return out
 
-    cache_mod.H2OLayer.write_step = timed("write_step", originals[(cache_mod.H2OLayer, "write_step")])
-    cache_mod.H2OLayer.commit = timed("commit", originals[(cache_mod.H2OLayer, "commit")])
-    cache_mod.H2OLayer._evict_one = timed("evict_one", originals[(cache_mod.H2OLayer, "_evict_one")])
+    cache_mod.H2OLayer.append = timed("append", originals[(cache_mod.H2OLayer, "append")])
+    cache_mod.H2OLayer.evict = timed("evict", originals[(cache_mod.H2OLayer, "evict")])
     scoring.attention_with_mass = paired_attention_timed if paired_mass else timed("attention", attention)
     try:
         yield
@@ -88,7 +87,7 @@ def _steps(lm: LoadedModel, cache, first, start: int, steps: int) -> float:
     for i in range(steps):
         position = torch.full((ids.shape[0], 1), start + i, dtype=torch.long, device=lm.device)
         t0 = time.perf_counter()
-        ids = lm.model(input_ids=ids, past_key_values=cache, position_ids=position).logits[:, -1:].argmax(-1)
+        ids = lm.model(input_ids=ids, **cache_kwargs(cache), position_ids=position).logits[:, -1:].argmax(-1)
         if lm.device.type == "cuda":
             torch.cuda.synchronize(lm.device)
         total += time.perf_counter() - t0
@@ -113,11 +112,10 @@ def profile_decode(lm: LoadedModel, cfg: BenchConfig, steps: int = 24, warmup_st
         _steps(lm, copy.deepcopy(snapshot), first, start, steps)
 
     mass_reduction = max(0.0, paired["attention"] - paired["attention_without_mass"])
-    accumulate = plain["commit"] - plain["evict_one"]
     parts = {
-        "slot_write": plain["write_step"],
-        "score_update": accumulate + mass_reduction,
-        "victim_choice": plain["evict_one"],
+        "slot_write": plain["append"],
+        "score_update": mass_reduction,  # the per-key mass; folding it into the scores is part of `evict`
+        "victim_choice": plain["evict"],
         "attention_without_mass": plain["attention"] - mass_reduction,
     }
     parts["rest"] = step_total - sum(parts.values())

@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-from ..cache import H2OCache
+from ..hf.cache import H2OCache
+from ..hf.compat import cache_kwargs
 from ..policies import POLICIES, make_policy
 from .results import sha256, write_result
 
@@ -205,7 +206,7 @@ def streaming_nll(
         warnings.filterwarnings("ignore", message="H2OCache budget heavy \\+ recent")
         for start in range(0, total, chunk):
             end = min(total, start + chunk)
-            logits = model(ids[:, start:end], past_key_values=cache, use_cache=True).logits[0]
+            logits = model(ids[:, start:end], **cache_kwargs(cache), use_cache=True).logits[0]
             targets = ids[0, start + 1 : end + 1]
             nll = torch.nn.functional.cross_entropy(logits[: targets.shape[0]].float(), targets, reduction="none")
             out.append(nll.double().cpu())
@@ -224,7 +225,7 @@ def token_by_token_nll(
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="H2OCache budget heavy \\+ recent")
         for t in range(ids.shape[1] - 1):
-            logits = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits[0, -1]
+            logits = model(ids[:, t : t + 1], **cache_kwargs(cache), use_cache=True).logits[0, -1]
             out.append(torch.nn.functional.cross_entropy(logits.float(), ids[0, t + 1]).double().cpu())
             if progress is not None:
                 progress(1)

@@ -6,7 +6,7 @@ token is a decode step with eviction (:func:`h2o_kv.eval.ppl.streaming_nll`, ste
 ``h2o-kv eval ppl --streaming --window 1000`` computes; this module also records the KV-cache bytes after every
 chunk and plots both against the position in the stream:
 
-* ``h2o`` and ``sink`` (StreamingLLM) in streaming mode (position rolling, :mod:`h2o_kv.rotary`) at the same
+* ``h2o`` and ``sink`` (StreamingLLM) in streaming mode (position rolling, :mod:`h2o_kv.hf.rotary`) at the same
   cache sizes - their memory is flat and they never leave the model's trained positions;
 * ``full`` up to the model's context (``max_position_embeddings``), where it runs out of positions;
 * optionally (``--plain``) ``h2o``/``sink`` *without* streaming, whose absolute positions pass the context.

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from ..hf.compat import cache_kwargs
 from ..peers import check_press, press_expand, press_extend, press_prefill, require_kvpress
 from ..policies import POLICIES
 from .prompts import generate_text
@@ -167,7 +168,7 @@ class KVRunner:
         """Run the prompt ``ids`` (batch 1) and compress its cache to the budget."""
         from transformers import DynamicCache
 
-        from ..cache import H2OCache
+        from ..hf.cache import H2OCache
 
         input_ids = self._tensor(ids)
         length = input_ids.shape[1]
@@ -179,13 +180,13 @@ class KVRunner:
             return Session(state.cache, state.logits, length, state.kept, press_state=state)
         if spec.policy == "full":
             cache = DynamicCache()
-            out = self.model(input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            out = self.model(input_ids, **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
             return Session(cache, out.logits[:, -1], length, length)
         heavy, recent = spec.split(length)
         cache = H2OCache(heavy=heavy, recent=recent, policy=spec.policy, stepwise=spec.paper_protocol)
         with warnings.catch_warnings():  # "budget >= prompt length": expected for short prompts, nothing to evict
             warnings.filterwarnings("ignore", message="H2OCache budget", category=UserWarning)
-            out = self.model(input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            out = self.model(input_ids, **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
         cache.stepwise = True  # from here on every token is a decode step with eviction
         kept = int(cache.layers[0].entry_count().max()) if cache.layers else 0
         return Session(cache, out.logits[:, -1], length, kept)
@@ -196,7 +197,7 @@ class KVRunner:
         ids = self._tensor(ids)
         if session.press_state is not None:
             return press_extend(self.model, session.press_state, ids)
-        return self.model(ids, past_key_values=session.cache, use_cache=True).logits
+        return self.model(ids, **cache_kwargs(session.cache), use_cache=True).logits
 
     def expand(self, session: Session, copies: int) -> None:
         """Repeat a batch-1 session ``copies`` times along the batch (e.g. one row per answer choice)."""

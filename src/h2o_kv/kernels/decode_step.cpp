@@ -5,9 +5,9 @@
 #include <cstring>
 #include <limits>
 
-// Write one token per (sequence, KV head) into slot free[b, h]: keys, values, its column, a zero score.
+// Write one token per (sequence, KV head) into slot free[b, h]: keys, values, its column, a zero score, valid.
 void write_slot(torch::Tensor keys, torch::Tensor values, torch::Tensor pos, torch::Tensor scores,
-                torch::Tensor free, torch::Tensor key, torch::Tensor value, int64_t column) {
+                torch::Tensor valid, torch::Tensor free, torch::Tensor key, torch::Tensor value, int64_t column) {
   TORCH_CHECK(keys.is_contiguous() && values.is_contiguous() && key.is_contiguous() && value.is_contiguous(),
               "write_slot: key/value buffers must be contiguous");
   TORCH_CHECK(key.scalar_type() == keys.scalar_type() && value.scalar_type() == values.scalar_type(),
@@ -16,6 +16,8 @@ void write_slot(torch::Tensor keys, torch::Tensor values, torch::Tensor pos, tor
                   free.scalar_type() == torch::kLong && pos.is_contiguous() && scores.is_contiguous() &&
                   free.is_contiguous(),
               "write_slot: pos/free must be contiguous int64, scores contiguous float32");
+  TORCH_CHECK(valid.scalar_type() == torch::kBool && valid.is_contiguous() && valid.numel() == pos.numel(),
+              "write_slot: valid must be a contiguous bool tensor shaped like pos");
   const int64_t rows = pos.size(0) * pos.size(1), slots = pos.size(2);
   TORCH_CHECK(free.numel() == rows && key.numel() / key.size(-1) == rows, "write_slot: one token per row");
   const int64_t key_bytes = keys.size(3) * keys.element_size(), value_bytes = values.size(3) * values.element_size();
@@ -25,6 +27,7 @@ void write_slot(torch::Tensor keys, torch::Tensor values, torch::Tensor pos, tor
   const auto* new_v = static_cast<const char*>(value.data_ptr());
   auto* p = pos.data_ptr<int64_t>();
   auto* s = scores.data_ptr<float>();
+  auto* ok = valid.data_ptr<bool>();
   const auto* f = free.data_ptr<int64_t>();
   for (int64_t r = 0; r < rows; ++r) {
     TORCH_CHECK(f[r] >= 0 && f[r] < slots, "write_slot: slot index out of range");
@@ -33,6 +36,7 @@ void write_slot(torch::Tensor keys, torch::Tensor values, torch::Tensor pos, tor
     std::memcpy(v + i * value_bytes, new_v + r * value_bytes, value_bytes);
     p[i] = column;
     s[i] = 0.f;
+    ok[i] = true;
   }
 }
 

@@ -1,21 +1,24 @@
-"""The policy contract: a policy only ranks entries; it never touches key/value storage.
+"""The policy contract, shared by both backends: a policy only ranks entries; it never touches storage or queries.
 
-A cache layer keeps, per sequence and KV head, a set of entries with their absolute column (``pos``), a
-validity flag and a running ``scores`` tensor owned by the policy. After every forward chunk the layer asks
-the policy two things:
+A backend keeps, per sequence, layer and KV head, a set of entries: their keys and values plus the absolute column
+of each (``pos``), a validity flag and a running score owned by the policy. After every attention call it asks the
+policy two things, through an :class:`EntryView`:
 
-* :meth:`Policy.accumulate` - fold this chunk's attention into the running scores;
-* :meth:`Policy.keep_score` - one number per entry, higher is kept; ``+inf`` marks an entry that must
-  survive (recent window, attention sinks).
+* :meth:`Policy.accumulate` - fold the attention this call paid (``mass``: probability summed over the call's query
+  rows and the query heads of each KV group; ``last``: the same over the last :attr:`Policy.observation_window`
+  rows only) into the running scores;
+* :meth:`Policy.keep_score` - one number per entry, higher is kept; ``+inf`` marks an entry that must survive
+  (recent window, attention sinks).
 
-The layer then keeps the ``capacity`` best entries (after a prompt chunk) or frees the single worst slot
-(after a decode step). Adding a method is one small dataclass overriding these two hooks (the shape of
-kvpress' ``score()`` presses). A policy may also override :meth:`Policy.decode_victim`, the composition of the
-two for a decode step in the steady state, with a fused equivalent (H2O does, on the CPU).
+It then keeps the :attr:`Policy.capacity` best entries (after a prompt chunk) or frees the single worst one (after a
+decode step). Adding a method is one small dataclass overriding these two hooks (the shape of kvpress' ``score()``
+presses) and one line in the registry (``policies/__init__.py``). :meth:`Policy.decode_victim` is the composition of
+the two for a decode step over full slots; a policy may override it with a fused equivalent (H2O does, on the CPU).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
@@ -26,13 +29,19 @@ INF = float("inf")
 
 @dataclass(frozen=True)
 class EntryView:
-    """Read-only view of one layer's candidate entries, shapes ``[batch, kv_heads, entries]``."""
+    """Read-only view of one layer's entries, shapes ``[batch, kv_heads, entries]`` (``keys``: ``[..., head_dim]``).
+
+    ``keys`` are what attention reads: rotated at their absolute positions (RoPE models), except in the
+    transformers backend's streaming mode, where they are stored before RoPE (position-free). They are ``None``
+    unless the policy sets :attr:`Policy.needs_keys`.
+    """
 
     pos: torch.Tensor  # absolute column of each entry in the token stream (int64)
     valid: torch.Tensor  # False for free slots and padding
     scores: torch.Tensor  # the policy's running score (float32)
     seen: int  # columns seen so far, i.e. one past the newest column
     start: torch.Tensor  # [batch] first real (non-pad) column of each sequence
+    keys: torch.Tensor | None = None
 
 
 @dataclass
@@ -43,15 +52,27 @@ class Policy:
     recent: int = 0
 
     name: ClassVar[str] = "policy"
-    needs_attention: ClassVar[bool] = True  # the attention function must return per-key probability mass
-    evicts_during_decode: ClassVar[bool] = True
+    needs_attention: ClassVar[bool] = True  # the backend must compute per-key probability mass
+    needs_keys: ClassVar[bool] = False  # the EntryView must carry the keys
+    evicts_during_decode: ClassVar[bool] = True  # False: compress the prompt once, then let the cache grow
 
     @property
-    def capacity(self) -> int:
+    def capacity(self) -> float:
+        """Entries kept after every step (``inf`` for an unbounded policy)."""
         return self.heavy + self.recent
 
-    def accumulate(self, scores: torch.Tensor, mass: torch.Tensor | None, last: torch.Tensor | None):
-        """New running scores given this chunk's summed attention ``mass`` and its last query row ``last``."""
+    @property
+    def bounded(self) -> bool:
+        """Whether this policy ever evicts (``full`` does not)."""
+        return math.isfinite(self.capacity)
+
+    @property
+    def observation_window(self) -> int:
+        """How many of a call's last query rows make up ``last`` (1: the newest query; SnapKV: its window)."""
+        return 1
+
+    def accumulate(self, scores: torch.Tensor, mass: torch.Tensor | None, last: torch.Tensor | None) -> torch.Tensor:
+        """New running scores given this call's ``mass`` and ``last`` (see the module docstring)."""
         return scores
 
     def keep_score(self, entries: EntryView) -> torch.Tensor:

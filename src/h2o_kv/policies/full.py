@@ -16,6 +16,7 @@ class Full(Policy):
 
     name: ClassVar[str] = "full"
     needs_attention: ClassVar[bool] = False
+    evicts_during_decode: ClassVar[bool] = False
 
     @property
     def capacity(self) -> float:

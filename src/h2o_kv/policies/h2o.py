@@ -29,8 +29,12 @@ class H2O(Policy):
         return entries.scores.masked_fill(self.recent_window(entries, self.recent), INF)
 
     def decode_victim(self, entries: EntryView, mass, last):
-        """On the CPU, one fused pass (:mod:`h2o_kv.kernels`): the scores are updated in place."""
-        fits = mass is not None and mass.dtype == entries.scores.dtype == torch.float32  # (the kernel's dtypes)
+        """On the CPU, one fused pass (:mod:`h2o_kv.kernels`): the scores are updated in place.
+
+        Used only where the ranking is exactly H2O's (a subclass that changes ``accumulate`` or ``keep_score`` gets
+        the generic composition)."""
+        exact = type(self).accumulate is H2O.accumulate and type(self).keep_score is H2O.keep_score
+        fits = exact and mass is not None and mass.dtype == entries.scores.dtype == torch.float32  # kernel dtypes
         ops = kernels.cpu_ops(entries.scores, mass, entries.pos) if fits else None
         if ops is None:
             return super().decode_victim(entries, mass, last)
@@ -47,7 +51,6 @@ class H2OMean(H2O):
     """
 
     name: ClassVar[str] = "h2o_mean"
-    decode_victim = Policy.decode_victim  # (the fused H2O kernel ranks by the sum)
 
     def keep_score(self, entries: EntryView) -> torch.Tensor:
         mean = entries.scores / (entries.seen - entries.pos).clamp_min(1)

@@ -40,6 +40,10 @@ class SnapKV(Policy):
         if self.pooling not in POOLINGS:
             raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}, got {self.pooling!r}")
 
+    @property
+    def observation_window(self) -> int:
+        return self.window
+
     def accumulate(self, scores: torch.Tensor, mass: torch.Tensor | None, last: torch.Tensor | None):
         return last  # the observation window's mass of the latest chunk replaces older scores
 

@@ -7,11 +7,11 @@ the oldest kept entry sits at position 0 and the newest at ``n - 1``, so the mod
 window however long the stream is.
 
 Hugging Face attention modules rotate queries and keys at their absolute positions *before* calling
-``cache.update`` (``cache_kwargs`` carries the ``cos``/``sin`` used). RoPE is a rotation, so it can be undone
-exactly with the same ``cos``/``sin``:
+``cache.update``. RoPE is a rotation, so it can be undone exactly with the same ``cos``/``sin``, which
+:func:`rope_at` recomputes with the model's rotary module from the ``position_ids`` passed to the attention function:
 
-* :meth:`h2o_kv.H2OCache.update` un-rotates the new keys (:func:`unrotate`) and the cache stores them raw;
-* the ``"h2o"`` attention function ranks the kept entries of every (sequence, KV head) by their column
+* the ``"h2o"`` attention function un-rotates the new keys (:func:`raw_keys`) and the cache stores them raw;
+* it ranks the kept entries of every (sequence, KV head) by their column
   (:func:`in_cache_positions`), rotates each key to its rank and each query (un-rotated first) to the rank it
   will take itself (:class:`PositionRoller`).
 
@@ -129,7 +129,28 @@ def pair_order(head_dim: int, rotary_dim: int, device=None) -> torch.Tensor:
     return _PAIR_ORDERS[key]
 
 
-# the un-rotation factors of the last forward's cos/sin: every layer of a forward shares the same cos/sin tensors
+# the last (position_ids, dtype) -> (cos, sin): every layer of a forward shares the same position_ids tensor
+_LAST_ROPE: list = [None, None, None]
+
+
+def rope_at(module: torch.nn.Module, position_ids: torch.Tensor | None, like: torch.Tensor):
+    """The ``cos``/``sin`` ``[B, Q, r]`` the model rotated this forward's queries and keys with.
+
+    The model's own rotary module is called on the ``position_ids`` the model passed on to its attention function
+    (every transformers release does), in the dtype of ``like``, so the result equals what the model applied.
+    """
+    if position_ids is None:
+        raise ValueError(_NO_ROPE_MESSAGE.format(what="passes no position_ids to its attention function"))
+    memo = _LAST_ROPE
+    if memo[0] is position_ids and memo[1] == like.dtype:
+        return memo[2]
+    rotary = rotary_for(module)
+    with torch.no_grad():
+        rope = rotary(like, position_ids.to(like.device))
+    memo[:] = [position_ids, like.dtype, rope]
+    return rope
+
+
 _LAST_INVERSE: list = [None, None, None]
 
 
@@ -227,8 +248,8 @@ class PositionRoller:
     relative positions with one complex multiplication over the keys and one sort per step.
     """
 
-    def __init__(self, module: torch.nn.Module, layer, query: torch.Tensor, is_real: torch.Tensor | None = None):
-        cos, sin = layer.rope
+    def __init__(self, module: torch.nn.Module, layer, query: torch.Tensor, rope, is_real: torch.Tensor | None = None):
+        cos, sin = rope
         rows, head_dim = query.shape[2], query.shape[-1]
         self.group = query.shape[1] // layer.keys.shape[1]
         self.limit = getattr(getattr(module, "config", None), "max_position_embeddings", None)
@@ -239,8 +260,7 @@ class PositionRoller:
         table = table_for(module)
         self.table = table.ensure(size, head_dim, query)
         self.inverse, self.unit = table.inverse, table.unit
-        paired = query.index_select(-1, pair_order(head_dim, cos.shape[-1], query.device))
-        self.raw_query = _apply(paired, inverse_factors(cos, sin, head_dim).unsqueeze(1))  # [B, Hq, Q, D]
+        self.raw_query = raw_keys(query, cos, sin)  # [B, Hq, Q, D], un-rotated, in pair order
         self._step_query = None
 
     def sliding_window(self, window: int | None) -> int | None:

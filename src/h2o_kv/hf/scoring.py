@@ -1,13 +1,15 @@
 """The ``"h2o"`` attention function: attention outputs plus the probability mass each key received.
 
-Registered with transformers' ``AttentionInterface`` (and a matching ``AttentionMaskInterface`` entry), it
-runs inside every attention module of a supported model. With an :class:`~h2o_kv.cache.H2OCache` it attends
-over the layer's kept slots (plus the current chunk), computes softmax probabilities explicitly - SDPA and
-FlashAttention never return them - and hands each key's summed probability back to the cache. Without an
-H2O cache it is plain SDPA, so an enabled model behaves exactly as before with any other cache.
+Registered with transformers' ``AttentionInterface`` (and a matching ``AttentionMaskInterface`` entry), it runs
+inside every attention module of a supported model and drives the per-step contract of :mod:`h2o_kv.hf.cache`: it
+claims the :class:`~h2o_kv.hf.cache.Step` the cache staged, attends over the layer's kept entries (plus the current
+chunk), computes softmax probabilities explicitly - SDPA and FlashAttention never return them - and hands each
+entry's summed probability back to the layer (``keep`` after a prompt chunk, ``evict`` after a decode step). Without
+an H2O cache it is plain SDPA, so an enabled model behaves exactly as before with any other cache.
 
-Prompts are walked in query chunks: at most ``H2OCache.prefill_chunk_mb`` of scores exist at a time, so no
-``L x L`` attention matrix is ever materialised.
+The mask function builds nothing: it returns a :class:`DeferredMask` carrying the 2D padding mask, which is all an
+H2O layer needs; only the SDPA fallback materialises transformers' own mask from it. Prompts are walked in query
+blocks: at most ``H2OCache.prefill_chunk_mb`` of scores exist at a time, so no ``L x L`` matrix ever exists.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .cache import _Chunk, pop_active_layer, pop_mask_request
-from .rotary import PositionRoller
+from .cache import claim_step
+from .rotary import PositionRoller, raw_keys, rope_at
 
 ATTENTION_NAME = "h2o"
 
@@ -154,61 +156,87 @@ def h2o_attention_forward(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
+    attention_mask,
     dropout: float = 0.0,
     scaling: float | None = None,
     sliding_window: int | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """Attention for an ``H2OCache`` layer, or SDPA when no H2O cache is in use."""
-    layer = pop_active_layer()
-    if layer is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    step = claim_step(key)
+    if step is None:
+        mask = attention_mask.sdpa() if isinstance(attention_mask, DeferredMask) else attention_mask
+        if sliding_window is not None:
+            kwargs["sliding_window"] = sliding_window
+        return sdpa_attention_forward(module, query, key, value, mask, dropout, scaling, **kwargs)
+    layer, policy = step.layer, step.layer.cache.policy
     rows = query.shape[2]
-    if attention_mask is not None and attention_mask.dim() != 2:
+    padding = attention_mask.padding if isinstance(attention_mask, DeferredMask) else attention_mask
+    if padding is not None and padding.dim() != 2:
         raise RuntimeError("the 'h2o' attention expects the 2D padding mask built by its mask function")
-    is_real = None if attention_mask is None else attention_mask[:, -rows:].to(torch.bool)
+    is_real = None if padding is None else padding[:, -rows:].to(torch.bool)
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    need_mass = layer.cache.policy.needs_attention
-    window = getattr(layer.cache.policy, "window", 1)
-    pending = layer.pending
-    roll = PositionRoller(module, layer, query, is_real) if layer.cache.streaming else None  # streaming (h2o_kv.rotary)
-    if roll is not None:
+    options = dict(need_mass=policy.needs_attention)
+    keys, values = step.keys, step.values
+    roll = None
+    if layer.cache.streaming:  # keys stored before RoPE, re-rotated inside the cache (h2o_kv.hf.rotary)
+        rope = rope_at(module, kwargs.get("position_ids"), query)
+        roll = PositionRoller(module, layer, query, rope, is_real)
+        keys = raw_keys(keys, *rope)
         sliding_window = roll.sliding_window(sliding_window)
-    if isinstance(pending, _Chunk):
-        # (without a padding mask every token is real: this still records where each sequence starts, for `sink`)
-        layer.mark_padding(is_real if is_real is not None else query.new_ones((query.shape[0], rows), dtype=torch.bool))
+    if step.is_prompt:
+        chunk = layer.candidates(keys, values, is_real)
+        first = layer.seen - rows
+        chunk_keys = chunk.keys
         if roll is not None:  # streaming: queries and keys at their positions inside the cache
-            query, key = roll.chunk(pending.keys, pending.pos, pending.valid, layer.seen - rows)
-        key_valid = None if bool(pending.valid.all()) else pending.valid  # no padding, no free slot: causal only
+            query, chunk_keys = roll.chunk(chunk.keys, chunk.pos, chunk.valid, first)
+        key_valid = None if bool(chunk.valid.all()) else chunk.valid  # no padding, no free slot: causal only
         output, mass, last = attention_with_mass(
-            query, key, value, pending.pos, key_valid, layer.seen - rows, scaling,
-            query_valid=is_real, sliding_window=sliding_window, need_mass=need_mass, window=window,
-            chunk_bytes=layer.cache.prefill_chunk_bytes, chunk_start=pending.keys.shape[2] - rows,
+            query, chunk_keys, chunk.values, chunk.pos, key_valid, first, scaling,
+            query_valid=is_real, sliding_window=sliding_window, window=policy.observation_window,
+            chunk_bytes=layer.cache.prefill_chunk_bytes, chunk_start=chunk.keys.shape[2] - rows, **options,
         )  # fmt: skip
-        layer.commit(mass, last)
+        layer.keep(chunk, mass, last)
         return output, None
+    if rows > 1:
+        layer.reserve(rows)
     outputs = []
     for i in range(rows):  # decode step(s): write, attend over the slots, score, evict
-        real = None if is_real is None else is_real[:, i]
-        layer.write_step(pending.keys[:, :, i : i + 1], pending.values[:, :, i : i + 1], real)
+        layer.append(keys[:, :, i : i + 1], values[:, :, i : i + 1], None if is_real is None else is_real[:, i])
         step_query, step_keys = (query[:, :, i : i + 1], layer.keys) if roll is None else roll.step(i, layer)
         key_valid = None if layer.full else layer.valid  # full: every slot valid, all in the step's past
         output, mass, last = attention_with_mass(
             step_query, step_keys, layer.values, layer.pos, key_valid, layer.seen - 1, scaling,
-            sliding_window=sliding_window, need_mass=need_mass,
+            sliding_window=sliding_window, **options,
         )  # fmt: skip
-        layer.commit(mass, last)
+        layer.evict(mass, last)
         outputs.append(output)
-    layer.finish_steps()
     return (outputs[0] if rows == 1 else torch.cat(outputs, dim=1)), None
 
 
-def h2o_mask(attention_mask: torch.Tensor | None = None, **kwargs):
-    """For an ``H2OCache`` the attention function only needs the 2D padding mask; otherwise the SDPA mask."""
-    if pop_mask_request():
-        return attention_mask
-    return sdpa_mask(attention_mask=attention_mask, **kwargs)
+class DeferredMask:
+    """What the ``"h2o"`` mask function returns: the 2D padding mask, and transformers' own mask on demand.
+
+    An H2O layer only needs ``padding`` (``[batch, columns]``, False for pad tokens, or None). The SDPA fallback (a
+    model enabled for h2o running with another cache) calls :meth:`sdpa`, which builds the mask transformers would
+    have built, with the same arguments, once per forward.
+    """
+
+    def __init__(self, padding: torch.Tensor | None, mask_arguments: dict):
+        self.padding = padding
+        self._arguments = mask_arguments
+        self._built = False
+        self._mask = None
+
+    def sdpa(self):
+        if not self._built:
+            self._mask, self._built = sdpa_mask(**self._arguments), True
+        return self._mask
+
+
+def h2o_mask(attention_mask: torch.Tensor | None = None, **kwargs) -> DeferredMask:
+    """The ``"h2o"`` mask function: defers the mask (see :class:`DeferredMask`)."""
+    return DeferredMask(attention_mask, dict(kwargs, attention_mask=attention_mask))
 
 
 def register_attention() -> str:
