@@ -44,3 +44,21 @@ def quiet_generate(model, ids, cache, new_tokens, **kwargs):
             ids, attention_mask=torch.ones_like(ids), **cache_kwargs(cache), max_new_tokens=new_tokens,
             min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, **kwargs,
         )  # fmt: skip
+
+
+def needs_data(*relative: str):
+    """Mark a test ``data`` and skip it, naming ``$H2O_KV_DATA``, when the shared data folder lacks ``relative``."""
+    import pytest
+
+    from h2o_kv.data import has_data
+
+    missing = [path for path in relative if not has_data(path)]
+    reason = (
+        f"needs {', '.join(missing)} from the shared data folder: set H2O_KV_DATA to the folder holding MANIFEST.md "
+        "(or run from a directory with ./shared/data or ../shared/data)"
+    )
+
+    def mark(test):
+        return pytest.mark.data(pytest.mark.skipif(bool(missing), reason=reason)(test))
+
+    return mark

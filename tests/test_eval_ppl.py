@@ -1,4 +1,5 @@
-"""Streaming perplexity: the fast stepwise path equals one token per forward and the slow reference."""
+"""Streaming perplexity: the fast stepwise path equals one token per forward and the slow reference; an unbounded
+setting's one-forward path equals the stepwise one."""
 
 from __future__ import annotations
 
@@ -7,23 +8,24 @@ import math
 
 import pytest
 import torch
+from helpers import needs_data
 from reference import reference_logits
 from typer.testing import CliRunner
 
 from h2o_kv import H2OCache, load_model
+from h2o_kv.data import data_path, strip_gutenberg
 from h2o_kv.eval.cli import app
-from h2o_kv.eval.ppl import PPLInputError, PPLJob, budget_split, read_text, streaming_nll, strip_gutenberg, summarize
-from h2o_kv.eval.results import SHARED_DATA
+from h2o_kv.eval.ppl import PPLInputError, PPLJob, read_text, streaming_nll, summarize
 from h2o_kv.hf.compat import cache_kwargs
+from h2o_kv.setting import KVSetting
 
 BOOKS = {
     "pg19/pg10146_reminiscences_of_pioneer_days_in_st_paul.txt": "E-text prepared by Josephine Paolucci",
     "pg19/pg10321_dragons_blood.txt": "Produced by Juliet Sutherland",
 }
-BOOK = SHARED_DATA / next(iter(BOOKS))
+BOOK = next(iter(BOOKS))
 # feeding one token per forward makes every forward a 1-token "prompt" shorter than the budget: expected
-pytestmark = pytest.mark.filterwarnings("ignore:H2OCache budget heavy")
-needs_data = pytest.mark.skipif(not BOOK.is_file(), reason="shared data folder not present (set H2O_KV_DATA)")
+pytestmark = pytest.mark.filterwarnings("ignore:H2OCache")
 
 
 @pytest.fixture(scope="module")
@@ -79,27 +81,32 @@ def test_eviction_changes_the_nll(tiny_llama):
     assert (full - small).abs().max() > 1e-3
 
 
-@needs_data
-def test_default_model_fast_path_equals_token_by_token_and_reference(default_model):
-    model, tokenizer = default_model
-    job = PPLJob.create(BOOK, 64, "h2o", heavy=8, recent=8, gutenberg=True)
-    ids = job.token_ids(tokenizer)
-    fast = streaming_nll(model, ids, job.make_cache(), chunk=40)
-    slow_cache = H2OCache(8, 8, policy="h2o")
-    slow = one_token_at_a_time(model, ids, slow_cache)
-    torch.testing.assert_close(fast, slow, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(fast, reference_nll(model, ids, 8, 8, "h2o"), atol=1e-4, rtol=1e-4)
-    assert slow_cache.stats()["evicted_tokens"] == 63 - 16  # the last token is never fed
+@pytest.mark.parametrize("chunk", [7, 64])
+def test_unbounded_fast_path_equals_stepwise(tiny_llama, tmp_path, chunk):
+    """``full`` needs no step-by-step path: one causal forward per chunk gives the stepwise NLLs (and ``dynamic``,
+    the stock cache, the same numbers)."""
+    ids = torch.randint(3, 500, (1, 64), generator=torch.Generator().manual_seed(5))
+    stepwise = streaming_nll(tiny_llama, ids, H2OCache(policy="full", stepwise=True), chunk=chunk)
+    text = tmp_path / "t.txt"
+    text.write_text("x" * 64)
+    for name in ("full", "dynamic"):
+        job = PPLJob.create(text, 64, KVSetting(name), chunk=chunk)
+        cache = job.make_cache()
+        assert not getattr(cache, "stepwise", False) and job.path == "causal chunks (nothing evicted: exact)"
+        fast = streaming_nll(tiny_llama, ids, cache, chunk=chunk)
+        torch.testing.assert_close(fast, stepwise, atol=1e-5, rtol=1e-5)
+    bounded = PPLJob.create(text, 64, KVSetting.of("h2o", budget=0.5), chunk=chunk)
+    assert bounded.make_cache().stepwise and bounded.heavy_recent == (16, 16)
 
 
 # -- text, budgets and bad input -------------------------------------------------------------------------------
 
 
-@needs_data
+@needs_data(*BOOKS)
 @pytest.mark.parametrize("name", BOOKS)
 def test_strip_gutenberg_real_books(name):
-    raw = (SHARED_DATA / name).read_text()
-    book = read_text(SHARED_DATA / name, gutenberg=True)
+    raw = data_path(name).read_text()
+    book = read_text(data_path(name), gutenberg=True)
     assert book.startswith(BOOKS[name])
     assert "*** END" not in book and "***END" not in book and "FULL LICENSE" not in book
     assert len(book) > 0.7 * len(raw)
@@ -112,44 +119,43 @@ def test_strip_gutenberg_markers_and_errors():
         "h\n***START OF THE PROJECT GUTENBERG EBOOK A LONG\nTITLE***\nBody.\n***END OF THE PROJECT GUTENBERG EBOOK"
     )
     assert strip_gutenberg(two_lines) == "Body."
-    with pytest.raises(PPLInputError, match="START"):
+    with pytest.raises(ValueError, match="START"):
         strip_gutenberg("no markers here")
-    with pytest.raises(PPLInputError, match="END"):
+    with pytest.raises(ValueError, match="END"):
         strip_gutenberg("*** START OF THE PROJECT GUTENBERG EBOOK X ***\nbody")
 
 
-def test_budget_split():
-    assert budget_split("h2o", 4096, None, None, 0.2) == (409, 409, 0.2)
-    assert budget_split("local", 100, 7, 3, None) == (7, 3, None)
-    assert budget_split("full", 100, None, None, None) == (0, 0, 1.0)
-    for args, match in (
-        (("h2o", 100, None, None, 1.5), "--budget"),
-        (("h2o", 100, None, None, 0.01), "keeps no entry"),
-        (("h2o", 100, 3, None, None), "--recent"),
-        (("h2o", 100, 3, 3, 0.2), "not both"),
-        (("h2o", 100, -1, 3, None), "--heavy"),
-        (("nope", 100, None, None, 0.2), "--policy"),
-        (("full", 100, None, None, 0.5), "full"),
-    ):
-        with pytest.raises(PPLInputError, match=match):
-            budget_split(*args)
+def test_budget_is_the_one_rule(tmp_path):
+    """A ratio of the N evaluated tokens, clamped to one heavy and one recent entry (Budget.split)."""
+    text = tmp_path / "t.txt"
+    text.write_text("word " * 2000)
+    split = lambda setting, tokens=4096: PPLJob.create(text, tokens, setting).heavy_recent  # noqa: E731
+    assert split(KVSetting.of("h2o", budget=0.2)) == (409, 409)
+    assert split(KVSetting.of("local", heavy=7, recent=3), 100) == (7, 3)
+    assert split(KVSetting.of("h2o", budget=0.01), 100) == (1, 1)  # floor(0.5) = 0, clamped
+    assert split(KVSetting("full")) == (None, None)
 
 
 def test_job_rejects_bad_input(tmp_path):
     text = tmp_path / "t.txt"
     text.write_text("a few words of text")
+    h2o = KVSetting.of("h2o", budget=0.5)
     with pytest.raises(PPLInputError, match="does not exist"):
-        PPLJob.create(tmp_path / "missing.txt", 10, "h2o", budget=0.5)
+        PPLJob.create(tmp_path / "missing.txt", 10, h2o)
     with pytest.raises(PPLInputError, match="larger than the text"):
-        PPLJob.create(text, 1000, "h2o", budget=0.5)
+        PPLJob.create(text, 1000, h2o)
     with pytest.raises(PPLInputError, match="--tokens"):
-        PPLJob.create(text, 1, "h2o", budget=0.5)
+        PPLJob.create(text, 1, h2o)
     with pytest.raises(PPLInputError, match="--window"):
-        PPLJob.create(text, 10, "h2o", budget=0.5, window=0)
+        PPLJob.create(text, 10, h2o, window=0)
     with pytest.raises(PPLInputError, match="window"):
-        PPLJob.create(text, 10, "snapkv", budget=0.5, policy_options={"window": 0})
-    with pytest.raises(PPLInputError, match="GUTENBERG"):
-        PPLJob.create(text, 10, "h2o", budget=0.5, gutenberg=True)
+        PPLJob.create(text, 10, KVSetting.of("snapkv", budget=0.5), policy_options={"window": 0})
+    with pytest.raises(PPLInputError, match="--strip-gutenberg: no .*GUTENBERG"):
+        PPLJob.create(text, 10, h2o, gutenberg=True)
+    with pytest.raises(PPLInputError, match="--streaming needs a bounded policy"):
+        PPLJob.create(text, 10, KVSetting("full"), streaming=True)
+    with pytest.raises(PPLInputError, match="kvpress"):
+        PPLJob.create(text, 10, KVSetting.of("kvpress:tova", budget=0.5))
 
 
 def test_summarize_windows_and_blocks():
@@ -168,7 +174,7 @@ def test_cli_bad_input_fails_before_loading(tmp_path, monkeypatch):
     def boom(*args, **kwargs):
         raise AssertionError("the model must not load for bad input")
 
-    monkeypatch.setattr("h2o_kv.eval.sweep.ModelHandle.model", boom)
+    monkeypatch.setattr("h2o_kv.eval.runner.ModelHandle.model", boom)
     runner = CliRunner()
     result = runner.invoke(app, ["ppl", "--text", str(tmp_path / "missing.txt"), "--tokens", "64", "--budget", "0.2"])
     assert result.exit_code == 2 and "does not exist" in result.output
@@ -176,23 +182,29 @@ def test_cli_bad_input_fails_before_loading(tmp_path, monkeypatch):
     result = runner.invoke(app, ["ppl", "--text", str(tmp_path / "t.txt"), "--tokens", "64", "--budget", "0.2"])
     assert result.exit_code == 2 and "larger than the text" in result.output
     result = runner.invoke(app, ["ppl", "--text", str(tmp_path / "t.txt"), "--tokens", "8", "--budget", "2"])
-    assert result.exit_code == 2 and "--budget" in result.output
+    assert result.exit_code == 2 and "budget must be a ratio in (0, 1]" in result.output
+    result = runner.invoke(
+        app, ["ppl", "--text", str(tmp_path / "t.txt"), "--tokens", "8", "--policy", "full", "--budget", "0.2"]
+    )
+    assert result.exit_code == 2 and "full keeps every entry" in result.output and "Traceback" not in result.output
 
 
-@needs_data
+@needs_data(BOOK)
 def test_cli_writes_result_json(tmp_path, default_model):
     out = tmp_path / "r.json"
-    args = ["ppl", "--text", str(BOOK), "--strip-gutenberg", "--tokens", "48", "--budget", "0.5", "--window", "16"]
+    book = data_path(BOOK)
+    args = ["ppl", "--text", str(book), "--strip-gutenberg", "--tokens", "48", "--budget", "0.5", "--window", "16"]
     result = CliRunner().invoke(app, [*args, "--policy", "sink", "--json", str(out)])
     assert result.exit_code == 0, result.output
     record = json.loads(out.read_text())
-    for key in ("ppl", "nll", "tokens", "policy", "heavy", "recent", "time_s", "settings", "data", "versions"):
+    for key in ("ppl", "nll", "tokens", "policy", "heavy", "recent", "time_s", "settings", "data", "versions", "git",
+                "fused_cpu_kernels", "machine", "command", "created", "bounded"):  # fmt: skip
         assert key in record
     assert (record["policy"], record["heavy"], record["recent"], record["tokens"]) == ("sink", 12, 12, 48)
     assert record["metrics"]["ppl"] == pytest.approx(math.exp(record["nll"]))
     assert record["data"]["sha256"] == "c147225ac52a9f97359e8475316759df5e93fd5af3dc611e927430b0fc1d8fe6"
     assert len(record["windows"]) == 3 and record["cache"]["kv_tokens"] == 24
     model, tokenizer = default_model
-    job = PPLJob.create(BOOK, 48, "sink", budget=0.5, gutenberg=True)
+    job = PPLJob.create(book, 48, KVSetting.of("sink", budget=0.5), gutenberg=True)
     expected = streaming_nll(model, job.token_ids(tokenizer), job.make_cache())
     assert record["nll"] == pytest.approx(float(expected.mean()), abs=1e-5)

@@ -6,16 +6,19 @@ import json
 import os
 
 import pytest
+from helpers import needs_data
 from typer.testing import CliRunner
 
-from h2o_kv.eval import sweep as sweep_module
+from h2o_kv import records
+from h2o_kv.data import data_path
 from h2o_kv.eval.cli import app
+from h2o_kv.eval.kinds import KINDS, Kind, register_kind
 from h2o_kv.eval.report import build_report, load_records
-from h2o_kv.eval.results import SHARED_DATA, write_result
-from h2o_kv.eval.sweep import KINDS, ModelHandle, SweepKind, parse_options, plan_cells, register_kind, run_sweep
+from h2o_kv.eval.runner import ModelHandle
+from h2o_kv.eval.sweep import cell_name, parse_options, plan_cells, run_sweep
 
-BOOK = SHARED_DATA / "pg19/pg10321_dragons_blood.txt"
-pytestmark = pytest.mark.filterwarnings("ignore:H2OCache budget heavy")
+BOOK = "pg19/pg10321_dragons_blood.txt"
+pytestmark = pytest.mark.filterwarnings("ignore:H2OCache")
 
 
 def test_parse_options():
@@ -32,9 +35,15 @@ def test_parse_options():
 
 
 def test_plan_cells():
-    cells = plan_cells(["full", "h2o", "local", "h2o"], [0.1, 0.2])
-    assert cells == [("full", 1.0), ("h2o", 0.1), ("h2o", 0.2), ("local", 0.1), ("local", 0.2)]
-    with pytest.raises(ValueError, match="--policies"):
+    """Unbounded settings (by their policy object, not their name) run once; bounded ones at every budget."""
+    cells = plan_cells(["dynamic", "full", "h2o", "local", "h2o", "kvpress:tova"], [0.1, 0.2])
+    assert [(c.name, c.budget and c.budget.ratio) for c in cells] == [
+        ("dynamic", None), ("full", None), ("h2o", 0.1), ("h2o", 0.2), ("local", 0.1), ("local", 0.2),
+        ("kvpress:tova", 0.1), ("kvpress:tova", 0.2),
+    ]  # fmt: skip
+    assert [cell_name(c) for c in cells[:3] + cells[-1:]] == ["dynamic.json", "full.json", "h2o_b0.1.json",
+                                                             "kvpress_tova_b0.2.json"]  # fmt: skip
+    with pytest.raises(ValueError, match="--policies must be one of"):
         plan_cells(["h2o", "nope"], [0.1])
     with pytest.raises(ValueError, match="--budgets"):
         plan_cells(["h2o"], [0.0])
@@ -50,33 +59,35 @@ def handle(default_model):
     return handle
 
 
-@pytest.mark.skipif(not BOOK.is_file(), reason="shared data folder not present")
+@needs_data(BOOK)
 def test_ppl_sweep_resumes_and_reports(tmp_path, handle):
     out = tmp_path / "sweep"
-    options = {"text": str(BOOK), "strip_gutenberg": True, "tokens": "130"}  # two 64-token blocks
-    paths = run_sweep("ppl", ["full", "h2o", "local"], [0.25, 0.5], out, options, handle, command="h2o-kv eval sweep")
+    book = data_path(BOOK)
+    options = {"text": str(book), "strip_gutenberg": True, "tokens": "130"}  # two 64-token blocks
+    paths = run_sweep("ppl", ["full", "h2o", "local"], [0.25, 0.5], out, options, handle)
     assert sorted(p.name for p in paths) == ["full.json", "h2o_b0.25.json", "h2o_b0.5.json", "local_b0.25.json",
                                              "local_b0.5.json"]  # fmt: skip
-    records = {p.name: json.loads(p.read_text()) for p in paths}
-    assert records["h2o_b0.25.json"]["heavy"] == 16 and records["h2o_b0.25.json"]["cache"]["kv_tokens"] == 32
-    assert records["full.json"]["cache"]["evicted_tokens"] == 0
-    assert all(r["command"] == "h2o-kv eval sweep" for r in records.values())
-    assert records["local_b0.25.json"]["ppl"] > records["full.json"]["ppl"]
+    saved = {p.name: json.loads(p.read_text()) for p in paths}
+    assert saved["h2o_b0.25.json"]["heavy"] == 16 and saved["h2o_b0.25.json"]["cache"]["kv_tokens"] == 32
+    assert saved["full.json"]["cache"]["evicted_tokens"] == 0 and saved["full.json"]["bounded"] is False
+    assert saved["local_b0.25.json"]["ppl"] > saved["full.json"]["ppl"]
+    (manifest,) = out.glob("sweep-*.json")
+    assert json.loads(manifest.read_text())["kind"] == "sweep" and "command" in json.loads(manifest.read_text())
 
     # resume: only the missing cell runs again
     mtimes = {p.name: p.stat().st_mtime_ns for p in paths}
     (out / "local_b0.5.json").unlink()
     run_sweep("ppl", ["full", "h2o", "local"], [0.25, 0.5], out, options, handle)
-    assert (out / "local_b0.5.json").exists()
+    assert (out / "local_b0.5.json").exists() and len(list(out.glob("sweep-*.json"))) == 2  # one manifest per sweep
     assert all(p.stat().st_mtime_ns == mtimes[p.name] for p in paths if p.name != "local_b0.5.json")
     with pytest.raises(ValueError, match="other settings"):
         run_sweep("ppl", ["h2o"], [0.25], out, {**options, "tokens": "129"}, handle)
-    relative = os.path.relpath(BOOK)  # the same file named another way is the same sweep
+    relative = os.path.relpath(book)  # the same file named another way is the same sweep
     assert run_sweep("ppl", ["h2o"], [0.25], out, {**options, "text": relative}, handle) == [out / "h2o_b0.25.json"]
     with pytest.raises(ValueError, match="larger than the text|--tokens"):
         run_sweep("ppl", ["h2o"], [0.25], tmp_path / "other", {**options, "tokens": "10000000"}, handle)
-    with pytest.raises(ValueError, match="keeps no entry"):  # every cell is checked before the first runs
-        run_sweep("ppl", ["h2o"], [0.5, 0.01], tmp_path / "tiny", options, handle)
+    with pytest.raises(ValueError, match="--streaming needs a bounded policy"):  # every cell checked before any runs
+        run_sweep("ppl", ["h2o", "full"], [0.5], tmp_path / "tiny", {**options, "streaming": True}, handle)
     assert not list((tmp_path / "tiny").glob("h2o_*.json"))
 
     # report: tables, the paired comparison with full, a plot
@@ -95,13 +106,13 @@ def test_ppl_sweep_resumes_and_reports(tmp_path, handle):
 
 def test_report_with_peers_stderr_and_ci(tmp_path):
     common = dict(label="toy task", model="m", primary_metric="acc")
-    for policy, budget, acc in (("full", 1.0, 0.8), ("h2o", 0.2, 0.78), ("local", 0.2, 0.5), ("h2o", 0.1, 0.7)):
+    for policy, budget, acc in (("dynamic", 1.0, 0.8), ("h2o", 0.2, 0.78), ("local", 0.2, 0.5), ("h2o", 0.1, 0.7)):
         metrics = {"acc": acc, "acc_stderr": 0.01, "acc_norm": acc - 0.1, "acc_norm_ci": [acc - 0.15, acc - 0.05]}
-        write_result(tmp_path / f"{policy}_{budget}.json", "tasks", metrics, policy=policy, budget=budget, **common)
-    write_result(
-        tmp_path / "peer.json", "tasks", {"acc": 0.75}, policy="kvpress:snapkv", budget=0.2, peer=True, **common
-    )
-    (tmp_path / "sweep.json").write_text(json.dumps({"kind": "tasks"}))
+        fields = dict(policy=policy, budget=budget, metrics=metrics, **common)
+        records.write(tmp_path / f"{policy}_{budget}.json", "tasks", fields)
+    fields = dict(policy="kvpress:snapkv", budget=0.2, peer=True, metrics={"acc": 0.75}, **common)
+    records.write(tmp_path / "peer.json", "tasks", fields)
+    records.write(tmp_path / "sweep-1.json", "sweep", {"evaluation": "tasks"})
     (tmp_path / "notes.json").write_text("[1, 2]")  # not a result: ignored
     assert len(load_records([tmp_path])) == 5
     text = build_report([tmp_path], tmp_path / "out" / "r.md")
@@ -121,16 +132,18 @@ def test_custom_kind_plugs_in_by_name(tmp_path):
             raise ValueError("--kind toy needs --scale")
         return float(options["scale"])
 
-    def check_cell(scale, policy, budget):
-        if policy == "random":
+    def check_cell(scale, setting):
+        if setting.name == "random":
             raise ValueError("toy cannot run random")
 
-    def run_cell(scale, policy, budget, path, models, progress):
-        seen.append((policy, budget))
+    def run_cell(scale, setting, path, models, progress):
+        budget = setting.fields()["budget"]
+        seen.append((setting.name, budget))
         progress(1)
-        return write_result(path, "toy", {"score": scale * budget}, policy=policy, budget=budget, label="toy")
+        fields = dict(**setting.fields(), label="toy", metrics={"score": scale * budget})
+        return records.write(path, "toy", fields, h2o_cache=False)
 
-    register_kind(SweepKind("toy", prepare, run_cell, check_cell))
+    register_kind(Kind("toy", prepare, run_cell, check_cell))
     try:
         runner = CliRunner()
         base = ["sweep", "--kind", "toy", "--policies", "full,h2o", "--budgets", "0.1,0.2"]
@@ -138,7 +151,7 @@ def test_custom_kind_plugs_in_by_name(tmp_path):
         assert result.exit_code == 0, result.output
         assert seen == [("full", 1.0), ("h2o", 0.1), ("h2o", 0.2)]
         assert json.loads((tmp_path / "a" / "h2o_b0.2.json").read_text())["metrics"]["score"] == pytest.approx(2.0)
-        assert json.loads((tmp_path / "a" / "h2o_b0.2.json").read_text())["command"].startswith("h2o-kv eval sweep")
+        assert json.loads((tmp_path / "a" / "h2o_b0.2.json").read_text())["schema"] == records.SCHEMA
         result = runner.invoke(app, [*base, "--out", str(tmp_path / "b")])
         assert result.exit_code == 2 and "needs --scale" in result.output
         result = runner.invoke(app, [*base[:4], "h2o,random", *base[5:], "--out", str(tmp_path / "c"), "--scale", "1"])
@@ -152,7 +165,7 @@ def test_custom_kind_plugs_in_by_name(tmp_path):
         assert result.exit_code == 2 and "no result JSONs" in result.output
     finally:
         KINDS.pop("toy")
-    assert "ppl" in sweep_module.KINDS
+    assert set(KINDS) == {"ppl", "tasks", "xsum", "needle"}
 
 
 def test_ppl_kind_rejects_unknown_options(tmp_path):

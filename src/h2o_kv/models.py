@@ -115,22 +115,35 @@ def load_model(
     Returns:
         ``(model, tokenizer)``; ``tokenizer`` is ``None`` for a directory without tokenizer files.
     """
-    device = _resolve_device(device)
-    dtype = _resolve_dtype(dtype, device)
-    if name_or_path is None or str(name_or_path) == DEFAULT_MODEL:
-        path = _ensure_default_model()
-    else:
-        path = _resolve_local(name_or_path)
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
+    path = model_dir(name_or_path)
     check_supported(AutoConfig.from_pretrained(path, local_files_only=True))
     with _quiet_loading():
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     model.to(device).eval()
     if device.type == "cpu":
         kernels.available()  # build the fused decode kernels now (once per machine), not inside the first decode step
-    tokenizer = None
-    if any((path / name).is_file() for name in _TOKENIZER_FILES):
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    return enable_h2o(model), tokenizer
+    return enable_h2o(model), _tokenizer_in(path)
+
+
+def model_dir(name_or_path: str | os.PathLike | None = None) -> pathlib.Path:
+    """The local directory of a model, as :func:`load_model` resolves it (the default model is dequantized on first
+    use); raises ``FileNotFoundError`` when it is neither a directory nor in the local Hugging Face cache."""
+    if name_or_path is None or str(name_or_path) == DEFAULT_MODEL:
+        return _ensure_default_model()
+    return _resolve_local(name_or_path)
+
+
+def load_tokenizer(name_or_path: str | os.PathLike | None = None):
+    """The model's tokenizer without its weights, offline; ``None`` when the directory holds no tokenizer files."""
+    return _tokenizer_in(model_dir(name_or_path))
+
+
+def _tokenizer_in(path: pathlib.Path):
+    if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+        return None
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
 @contextlib.contextmanager
@@ -145,7 +158,8 @@ def _quiet_loading():
             hf_logging.enable_progress_bar()
 
 
-def _resolve_device(device) -> torch.device:
+def resolve_device(device) -> torch.device:
+    """``None`` picks CUDA when available, else the CPU; a named device is checked to exist."""
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -162,7 +176,8 @@ def _resolve_device(device) -> torch.device:
     return resolved
 
 
-def _resolve_dtype(dtype, device: torch.device) -> torch.dtype:
+def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
+    """``None`` is float32 on the CPU and bfloat16 on CUDA; names as in :func:`load_model`."""
     if dtype is None:
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if isinstance(dtype, str) and dtype.lower() in _DTYPES:

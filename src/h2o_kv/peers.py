@@ -16,21 +16,21 @@ Presses offered here (:data:`PRESSES`), with the paper each implements:
 * ``knorm`` - ``KnormPress``: keep the keys with the smallest L2 norm (Devoto et al. 2024, arXiv:2406.11430).
 
 A budget is mapped to kvpress' ``compression_ratio`` (the fraction removed) so that the press keeps exactly as
-many entries per layer and KV head as the h2o-kv cache holds after the same prefill: ``2 * floor(budget * L / 2)``
-of an ``L``-token context (or ``heavy + recent``); ``compression_ratio`` is ``1 - budget`` up to rounding.
+many entries per layer and KV head as the h2o-kv cache holds after the same prefill (:meth:`h2o_kv.Budget.entries`
+of the context length, through a ``kvpress:<press>`` :class:`~h2o_kv.setting.KVSetting`); ``compression_ratio`` is
+``1 - budget`` up to rounding.
+
+kvpress 0.5.5 pins ``transformers<5.3``, so the peer runs in its own virtual environment, driven by the same
+harness on the same items (docs/eval-tasks.md, "The kvpress peer").
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib.util
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-
-import torch
-
-from .hf.compat import cache_kwargs
+from typing import Any
 
 KVPRESS_VERSION = "0.5.5"
 
@@ -70,16 +70,14 @@ def require_kvpress():
 def _undo_attention_patch() -> None:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    local = ALL_ATTENTION_FUNCTIONS._local_mapping
-    for name, function in list(local.items()):
-        original = function
+    for name in list(ALL_ATTENTION_FUNCTIONS):
+        function = original = ALL_ATTENTION_FUNCTIONS[name]
         while getattr(original, "__qualname__", "").endswith("attention_patch.<locals>.wrapper"):
             original = original.__closure__[0].cell_contents
         if original is not function:
-            if ALL_ATTENTION_FUNCTIONS._global_mapping.get(name) is original:
-                del local[name]
-            else:
-                local[name] = original
+            del ALL_ATTENTION_FUNCTIONS[name]  # kvpress set the wrapper as a local override: drop it
+            if ALL_ATTENTION_FUNCTIONS.get(name) is not original:
+                ALL_ATTENTION_FUNCTIONS[name] = original
 
 
 def check_press(name: str) -> str:
@@ -87,17 +85,6 @@ def check_press(name: str) -> str:
     if name not in PRESSES:
         raise ValueError(f"--peer must be one of {', '.join(PRESSES)}; got {name!r}")
     return name
-
-
-def kept_entries(length: int, budget: float | None = None, heavy: int | None = None, recent: int | None = None) -> int:
-    """Entries an h2o-kv cache keeps after prefilling ``length`` tokens (at least 1 heavy and 1 recent)."""
-    if budget is not None:
-        if isinstance(budget, bool) or not 0 < budget <= 1:
-            raise ValueError(f"budget must be a ratio in (0, 1], got {budget!r}")
-        return min(length, 2 * max(1, math.floor(budget * length / 2)))
-    if heavy is None or recent is None:
-        raise ValueError("give a budget ratio or heavy and recent counts")
-    return min(length, heavy + recent)
 
 
 def compression_ratio(length: int, keep: int) -> float:
@@ -152,44 +139,42 @@ class PressState:
     explicitly (as kvpress' own pipeline does) to keep RoPE positions right.
     """
 
-    cache: object
+    cache: Any
     next_position: int
     kept: int
     context_length: int
     compression_ratio: float
-    logits: torch.Tensor = field(repr=False)  # [batch, vocab]: logits after the last context token
+    logits: Any = field(repr=False)  # [batch, vocab]: logits after the last context token
 
 
-@torch.no_grad()
-def press_prefill(
-    model,
-    input_ids: torch.Tensor,
-    name: str,
-    *,
-    budget: float | None = None,
-    heavy: int | None = None,
-    recent: int | None = None,
-) -> PressState:
-    """Prefill ``input_ids`` ([1, L]) with press ``name`` compressing the cache to the h2o-kv budget."""
+def press_prefill(model, input_ids, name: str, keep: int) -> PressState:
+    """Prefill ``input_ids`` ([1, L]) with press ``name`` compressing the cache to ``keep`` entries per layer and
+    KV head (``KVSetting.entries(L)``)."""
+    import torch
     from transformers import DynamicCache
+
+    from .hf.compat import cache_kwargs
 
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"press_prefill expects input_ids of shape [1, L], got {tuple(input_ids.shape)}")
     length = input_ids.shape[1]
-    keep = kept_entries(length, budget, heavy, recent)
     ratio = compression_ratio(length, keep)
     cache = DynamicCache()
-    with press_context(model, name, ratio, length):
+    with torch.no_grad(), press_context(model, name, ratio, length):
         out = model(input_ids, **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
     return PressState(cache, length, cache.get_seq_length(), length, ratio, out.logits[:, -1])
 
 
-@torch.no_grad()
-def press_extend(model, state: PressState, input_ids: torch.Tensor) -> torch.Tensor:
+def press_extend(model, state: PressState, input_ids):
     """Feed ``input_ids`` ([B, T]) after the compressed context (no eviction); returns logits [B, T, vocab]."""
+    import torch
+
+    from .hf.compat import cache_kwargs
+
     batch, steps = input_ids.shape
     positions = torch.arange(state.next_position, state.next_position + steps, device=input_ids.device)
-    out = model(input_ids, **cache_kwargs(state.cache), position_ids=positions.expand(batch, -1), use_cache=True)
+    with torch.no_grad():
+        out = model(input_ids, **cache_kwargs(state.cache), position_ids=positions.expand(batch, -1), use_cache=True)
     state.next_position += steps
     return out.logits
 

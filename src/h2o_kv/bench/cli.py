@@ -1,21 +1,15 @@
-"""``h2o-kv bench``: speed and memory of h2o-kv's caches against the stock full cache and kvpress.
-
-Run directly with ``python -m h2o_kv.bench.cli`` until the command group is mounted in the main CLI.
-"""
+"""``h2o-kv bench``: speed and memory of KV settings - h2o-kv's caches, the stock ``DynamicCache`` and kvpress."""
 
 from __future__ import annotations
 
-import json
 import pathlib
-import shlex
-import sys
 
 import typer
 from rich.console import Console
 
-from .harness import BenchConfig, check_policy
+from ..setting import check_name, is_bounded
 
-app = typer.Typer(help="Benchmark decode speed, end-to-end throughput and memory of KV-cache policies.",
+app = typer.Typer(help="Benchmark decode speed, end-to-end throughput and memory of KV settings.",
                   no_args_is_help=True, add_completion=False)  # fmt: skip
 console = Console(stderr=True)
 
@@ -42,23 +36,25 @@ def _model_positions(model: str | None) -> int | None:
     try:
         from transformers import AutoConfig
 
-        from h2o_kv.models import DEFAULT_MODEL, default_model_dir
+        from ..models import model_dir
 
-        path = default_model_dir() if model in (None, DEFAULT_MODEL) else model
-        return int(AutoConfig.from_pretrained(path, local_files_only=True).max_position_embeddings)
+        return int(AutoConfig.from_pretrained(model_dir(model), local_files_only=True).max_position_embeddings)
     except (OSError, ValueError):
         return None
 
 
-def build_grid(contexts, batches, policies, new_tokens, budget, prefill_batch) -> list[BenchConfig]:
-    """Every (prompt length, batch, policy) configuration, policies alternating innermost."""
+def build_grid(contexts, batches, names, new_tokens, budget, prefill_batch) -> list:
+    """Every (prompt length, batch, setting) configuration, settings alternating innermost; ``budget`` applies to
+    the settings that evict."""
+    from .harness import BenchConfig
+
     grid = []
     for context in contexts:
         for batch in batches:
             pre = prefill_batch if prefill_batch and batch > prefill_batch and batch % prefill_batch == 0 else None
-            for policy in policies:
-                grid.append(BenchConfig(policy=policy, context=context, batch=batch, new_tokens=new_tokens,
-                                        budget=None if policy == "full" else budget, prefill_batch=pre))  # fmt: skip
+            for name in names:
+                grid.append(BenchConfig(policy=name, context=context, batch=batch, new_tokens=new_tokens,
+                                        budget=budget if is_bounded(name) else None, prefill_batch=pre))  # fmt: skip
     return grid
 
 
@@ -67,19 +63,21 @@ def run_cmd(
     contexts: str = typer.Option("1024,4096", help="Prompt lengths in tokens, comma-separated."),
     batches: str = typer.Option("1,4", help="Batch sizes, comma-separated."),
     policies: str = typer.Option(
-        "full,h2o,local,sink",
-        help="full (stock DynamicCache + SDPA), h2o-kv policies (h2o, local, sink, ...), kvpress:observed_attention, "
-        "kvpress:snapkv.",
+        "dynamic,h2o,local,sink",
+        help="KV settings: dynamic (the stock DynamicCache + SDPA), h2o-kv policies (h2o, local, sink, ..., full: "
+        "H2OCache without eviction), kvpress:<press> (kvpress:observed_attention, kvpress:snapkv, ...).",
     ),
-    budget: float = typer.Option(0.2, min=1e-6, max=1.0, help="Cache budget as a ratio of the prompt length."),
+    budget: float = typer.Option(
+        0.2, min=1e-6, max=1.0, help="Budget of the evicting settings, a ratio in (0, 1] of the prompt length."
+    ),
     new_tokens: int = typer.Option(256, min=2, help="Tokens generated per sequence (greedy, EOS ignored)."),
     repeats: int = typer.Option(1, min=1, help="Measurements per configuration (alternating order)."),
     memory_limit: str = typer.Option(
         None,
-        help="Also find and run, per policy, the largest batch whose cache fits this limit: a size (377MB, "
-        "1.5GiB) or full@B (what the full cache needs at batch B for the same workload).",
+        help="Also find and run, per evicting setting, the largest batch whose cache fits this limit: a size (377MB, "
+        "1.5GiB) or SETTING@B, e.g. dynamic@4 (what that unbounded setting needs at batch B for the same workload).",
     ),
-    fit_only: bool = typer.Option(False, help="With --memory-limit: run non-full policies only at their fitted batch."),
+    fit_only: bool = typer.Option(False, help="With --memory-limit: run evicting settings only at their fitted batch."),
     prefill_batch: int = typer.Option(
         None,
         min=1,
@@ -92,18 +90,20 @@ def run_cmd(
     threads: int = typer.Option(None, min=1, help="torch CPU threads (default: torch's choice)."),
     isolate: str = typer.Option("auto", help="process (fresh process per measurement), none, or auto (CPU: process)."),
     lock: str = typer.Option(None, help="Hold an exclusive flock on this file during each measurement."),
-    out: pathlib.Path = typer.Option(pathlib.Path("results/bench/bench.json"), help="Results JSON (resumed)."),
+    out: pathlib.Path = typer.Option(..., help="Results JSON (created, or resumed and appended to)."),
     plot: pathlib.Path = typer.Option(None, help="Write the tokens/s and memory plot here."),
 ):
-    """Measure the grid contexts x batches x policies; results are written after every measurement."""
+    """Measure the grid contexts x batches x settings; results are written after every measurement."""
     from .report import markdown_table, summarise
-    from .runner import ResultStore, RunSettings, fit_runs, new_meta, parse_limit, run_measurements
+    from .runner import ResultStore, RunSettings, fit_runs, parse_limit, run_info, run_measurements
 
     context_list, batch_list = _int_list(contexts, "--contexts"), _int_list(batches, "--batches")
     policy_list = [p.strip() for p in policies.split(",") if p.strip()]
     try:
-        for p in policy_list:
-            check_policy(p)
+        if not policy_list:
+            raise ValueError("--policies is empty")
+        for name in policy_list:
+            check_name(name, "--policies")
         if memory_limit:
             parse_limit(memory_limit)
         elif fit_only:
@@ -120,31 +120,34 @@ def run_cmd(
             param_hint="--contexts/--new-tokens",
         )
     grid = build_grid(context_list, batch_list, policy_list, new_tokens, budget, prefill_batch)
-    if fit_only and memory_limit:
-        grid = [c for c in grid if c.policy == "full"]
-    command = shlex.join(["h2o-kv", "bench", *sys.argv[1:]])
     settings = RunSettings(model=model, device=device, dtype=dtype, threads=threads, repeats=repeats,
-                           isolate=isolate, lock=lock, command=command)  # fmt: skip
-    store = ResultStore(out, new_meta(settings))
+                           isolate=isolate, lock=lock)  # fmt: skip
+    try:
+        store = ResultStore(out, run_info(settings, grid))
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from None
+    if fit_only and memory_limit:
+        grid = [c for c in grid if not c.setting.bounded]
     store.save()
     say = console.print
     run_measurements(grid, store, settings, progress=say)
     if memory_limit:
         full_grid = build_grid(context_list, batch_list, policy_list, new_tokens, budget, None)
         fit_runs(full_grid, memory_limit, store, settings, progress=say)
-    rows = summarise(store.records)
-    print(markdown_table(rows))
+    baseline = next((name for name in policy_list if not is_bounded(name)), None)
+    rows = summarise(store.records, baseline or "dynamic")
+    print(markdown_table(rows, baseline or "dynamic"))
     if plot:
         from .report import plot as make_plot
 
-        console.print(f"plot: {make_plot(rows, plot, title=_title(store.data['meta']))}")
+        console.print(f"plot: {make_plot(rows, plot, title=_title(store.data['runs'][-1]))}")
     console.print(f"results: {out}")
 
 
-def _title(meta: dict) -> str:
-    machine = meta.get("machine", {})
+def _title(run: dict) -> str:
+    machine = run.get("machine", {})
     device = machine.get("cuda_device") or f"{machine.get('cpu_count')}-core CPU"
-    return f"{meta.get('model')} on {device}"
+    return f"{run.get('model')} on {device}"
 
 
 @app.command("report")
@@ -152,30 +155,33 @@ def report_cmd(
     results: list[pathlib.Path] = typer.Argument(..., exists=True, dir_okay=False, help="Results JSON file(s)."),
     plot: pathlib.Path = typer.Option(None, help="Write the plot here."),
     batch: int = typer.Option(None, help="Batch size to plot (default: the most common one)."),
+    baseline: str = typer.Option("dynamic", help="The unbounded setting the ratios are taken against."),
 ):
     """Print the markdown table and the bytes-moved model of result files (merged); optionally plot them."""
+    from ..tables import markdown
     from .report import bytes_model, load, markdown_table, summarise
     from .report import plot as make_plot
 
-    files = [load(path) for path in results]
-    data = {"meta": files[0]["meta"], "records": [r for f in files for r in f["records"]]}
-    rows = summarise(data["records"])
-    print(markdown_table(rows))
+    try:
+        files = [load(path) for path in results]
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from None
+    rows = summarise([r for f in files for r in f["records"]], baseline)
+    print(markdown_table(rows, baseline))
     model_rows = bytes_model(rows)
     if model_rows:
-        print(
-            "\n| policy | prompt | batch | MB/step full (ideal / stock) | MB/step policy | bound (ideal / stock) "
-            "| measured (mean / p50) | of ideal bound |\n|---|---:|---:|---:|---:|---:|---:|---:|"
-        )
-        for m in model_rows:
-            full_mb = f"{m['bytes_full_ideal'] / 1e6:.0f} / {m['bytes_full_stock'] / 1e6:.0f}"
-            bound = f"{m['ratio_ideal']:.2f}x / {m['ratio_stock']:.2f}x"
-            print(
-                f"| {m['policy']} | {m['context']} | {m['batch']} | {full_mb} | {m['bytes_policy'] / 1e6:.0f} "
-                f"| {bound} | {m['measured']:.2f}x / {m['measured_p50']:.2f}x | {100 * m['fraction_of_ideal']:.0f}% |"
-            )
+        header = ["setting", "prompt", "batch", f"MB/step {baseline} (ideal / stock)", "MB/step setting",
+                  "bound (ideal / stock)", "measured (mean / p50)", "of ideal bound"]  # fmt: skip
+        table = [
+            [m["policy"], str(m["context"]), str(m["batch"]),
+             f"{m['bytes_full_ideal'] / 1e6:.0f} / {m['bytes_full_stock'] / 1e6:.0f}", f"{m['bytes_policy'] / 1e6:.0f}",
+             f"{m['ratio_ideal']:.2f}x / {m['ratio_stock']:.2f}x", f"{m['measured']:.2f}x / {m['measured_p50']:.2f}x",
+             f"{100 * m['fraction_of_ideal']:.0f}%"]
+            for m in model_rows
+        ]  # fmt: skip
+        print("\n" + "\n".join(markdown(header, table)))
     if plot:
-        console.print(f"plot: {make_plot(rows, plot, batch=batch, title=_title(data['meta']))}")
+        console.print(f"plot: {make_plot(rows, plot, batch=batch, title=_title(files[0]['runs'][-1]))}")
 
 
 @app.command("profile")
@@ -197,20 +203,18 @@ def profile_cmd(
     import torch
     from transformers.utils import logging as hf_logging
 
-    from .. import kernels
+    from .. import records
+    from .harness import BenchConfig
     from .profile import profile_decode
     from .runner import cpu_lock
     from .workload import load_bench_model
 
     try:
-        cfg = BenchConfig(policy=policy, context=context, batch=batch, new_tokens=steps + 8, budget=None,
-                          heavy=heavy, recent=recent)  # fmt: skip
-        if policy == "full" or policy.startswith("kvpress:"):
-            raise ValueError("profile needs an h2o-kv policy (h2o, local, sink, ...)")
-        if heavy + recent < 1:
-            raise ValueError("heavy + recent must be >= 1")
+        cfg = BenchConfig(policy, context, batch, new_tokens=steps + 8, heavy=heavy, recent=recent)
+        if not (cfg.setting.uses_h2o_cache and cfg.setting.bounded):
+            raise ValueError("profile needs an evicting h2o-kv policy (h2o, local, sink, ...)")
     except ValueError as err:
-        raise typer.BadParameter(str(err)) from None
+        raise typer.BadParameter(str(err), param_hint="--policy/--heavy/--recent") from None
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
     if threads:
@@ -219,16 +223,15 @@ def profile_cmd(
         lm = load_bench_model(model, device=device, dtype=dtype)
         result = profile_decode(lm, cfg, steps=steps)
     result["model"], result["device"], result["threads"] = lm.name, str(lm.device), torch.get_num_threads()
-    result["fused_cpu_kernels"] = lm.device.type == "cpu" and kernels.available()
+    kernels_on = records.fused_cpu_kernels(lm.device)
     split = result["split_ms"]
     print(f"decode step {result['step_ms']:.1f} ms (policy {policy}, budget {heavy}+{recent}, batch {batch}, "
-          f"prompt {context}, fused CPU kernels: {'on' if result['fused_cpu_kernels'] else 'off'})")  # fmt: skip
+          f"prompt {context}, fused CPU kernels: {'on' if kernels_on else 'off'})")  # fmt: skip
     for name, ms in split.items():
         print(f"  {name:24s} {ms:7.2f} ms  {result['split_percent'][name]:5.1f}%")
     print(f"  eviction bookkeeping     {result['bookkeeping_percent']:.1f}% of the step")
     if out:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=1) + "\n")
+        records.write(out, "profile", result, device=lm.device)
 
 
 if __name__ == "__main__":

@@ -7,12 +7,13 @@ logits. End-of-sequence tokens are ignored, so every configuration generates exa
 tokens. Positions are passed explicitly, which keeps RoPE right for caches that are shorter than the text (the
 kvpress presses compress a ``DynamicCache`` after prefill).
 
-Policies:
+A configuration's cache is a :class:`~h2o_kv.setting.KVSetting`:
 
-* ``full``: the stock stack, ``DynamicCache`` with SDPA attention (h2o-kv's attention function is not used).
-* any h2o-kv policy (``h2o``, ``local``, ``sink``, ...): :class:`~h2o_kv.H2OCache` with ``budget`` (the H2O paper's
-  "20%": ``heavy = recent = floor(0.2 * L / 2)``) or explicit ``heavy``/``recent``, and the ``"h2o"`` attention.
-* ``kvpress:<press>`` (``kvpress:observed_attention``, ``kvpress:snapkv``): NVIDIA kvpress compressing the
+* ``dynamic``: the stock stack, ``DynamicCache`` with SDPA attention (h2o-kv's attention function is not used);
+* an h2o-kv policy (``h2o``, ``local``, ``sink``, ..., ``full``): :class:`~h2o_kv.H2OCache` with ``budget`` (the H2O
+  paper's "20%": :meth:`~h2o_kv.Budget.split` of the prompt) or explicit ``heavy``/``recent``, and the ``"h2o"``
+  attention; ``full`` (no eviction) measures h2o-kv's own frame;
+* ``kvpress:<press>`` (``kvpress:observed_attention``, ``kvpress:snapkv``, ...): NVIDIA kvpress compressing the
   prompt's ``DynamicCache`` to the same number of entries, once, after prefill (:mod:`h2o_kv.peers`).
 """
 
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import math
 import os
 import statistics
 import time
@@ -29,17 +29,19 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..hf.compat import cache_kwargs
+from ..setting import KVSetting, held_entries
+from ..tables import percentile
 from .memory import PeakMemory, cache_bytes
 from .workload import LoadedModel, make_prompts
 
-KVPRESS_PREFIX = "kvpress:"
 WARMUP_CONTEXT = 128
 WARMUP_STEPS = 4
 
 
 @dataclass(frozen=True)
 class BenchConfig:
-    """One point of the grid.
+    """One point of the grid: the setting ``policy`` (its budget ``budget`` or ``heavy``/``recent`` when it evicts),
+    the prompt length ``context``, the ``batch`` and the tokens generated per sequence ``new_tokens``.
 
     ``prefill_batch``: prefill only this many distinct prompts and repeat the prefilled cache along the batch to
     ``batch`` rows before decoding (``batch`` must be a multiple). The decode then does exactly the work of
@@ -51,30 +53,30 @@ class BenchConfig:
     context: int
     batch: int
     new_tokens: int
-    budget: float | None = 0.2
+    budget: float | None = None
     heavy: int | None = None
     recent: int | None = None
     prefill_batch: int | None = None
     tag: str = ""
 
     def __post_init__(self):
-        check_policy(self.policy)
+        self.setting  # noqa: B018 - validates the setting name and its budget
         for name in ("context", "batch", "new_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if self.new_tokens < 2:
             raise ValueError(f"new_tokens must be >= 2 (one prefill token plus decode steps), got {self.new_tokens}")
-        if self.policy != "full" and self.budget is None and (self.heavy is None or self.recent is None):
-            raise ValueError("give a budget ratio or heavy and recent counts")
-        if self.budget is not None and not 0 < self.budget <= 1:
-            raise ValueError(f"budget must be a ratio in (0, 1], got {self.budget}")
         if self.prefill_batch is not None and (self.prefill_batch < 1 or self.batch % self.prefill_batch):
             raise ValueError(f"prefill_batch must divide batch={self.batch}, got {self.prefill_batch}")
 
     @property
+    def setting(self) -> KVSetting:
+        return KVSetting.of(self.policy, budget=self.budget, heavy=self.heavy, recent=self.recent, option="policy")
+
+    @property
     def key(self) -> str:
-        budget = "" if self.policy == "full" else f"|b={self.budget}|h={self.heavy}|r={self.recent}"
+        budget = f"|b={self.budget}|h={self.heavy}|r={self.recent}" if self.setting.bounded else ""
         pre = f"|pre={self.prefill_batch}" if self.prefill_batch else ""
         tag = f"|{self.tag}" if self.tag else ""
         return f"{self.policy}|L={self.context}|B={self.batch}|new={self.new_tokens}{budget}{pre}{tag}"
@@ -83,28 +85,10 @@ class BenchConfig:
         return asdict(self)
 
 
-def check_policy(policy: str) -> str:
-    """Validate a policy name: ``full``, a registered h2o-kv policy, or ``kvpress:<press>``."""
-    from h2o_kv.policies import POLICIES
-
-    if policy == "full" or (policy in POLICIES and policy != "full"):
-        return policy
-    if policy.startswith(KVPRESS_PREFIX):
-        from h2o_kv.peers import check_press
-
-        check_press(policy[len(KVPRESS_PREFIX) :])
-        return policy
-    allowed = ["full", *(p for p in POLICIES if p != "full"), "kvpress:observed_attention", "kvpress:snapkv"]
-    raise ValueError(f"policy must be one of {', '.join(allowed)}; got {policy!r}")
-
-
 def kept_entries(cfg: BenchConfig) -> int | None:
-    """Entries per layer and KV head that an evicting policy keeps after prefill (None for ``full``)."""
-    if cfg.policy == "full":
-        return None
-    if cfg.budget is not None:
-        return min(cfg.context, 2 * math.floor(cfg.budget * cfg.context / 2))
-    return min(cfg.context, cfg.heavy + cfg.recent)
+    """Entries per layer and KV head that an evicting setting keeps after prefill (None when nothing is evicted)."""
+    setting = cfg.setting
+    return setting.entries(cfg.context) if setting.bounded else None
 
 
 class _Run:
@@ -112,36 +96,24 @@ class _Run:
 
     def __init__(self, lm: LoadedModel, cfg: BenchConfig, context: int):
         self.lm, self.cfg, self.context = lm, cfg, context
+        self.setting = cfg.setting
         self.model = lm.model
-        self._press = None
 
     @contextlib.contextmanager
     def prefill_context(self):
-        cfg = self.cfg
-        if cfg.policy.startswith(KVPRESS_PREFIX):
-            from h2o_kv.peers import compression_ratio, press_context
+        press = self.setting.press
+        if press is None:
+            yield
+            return
+        from ..peers import compression_ratio, press_context
 
-            keep = kept_entries(BenchConfig(**{**cfg.to_dict(), "context": self.context}))
-            ratio = compression_ratio(self.context, max(1, keep))
-            with press_context(self.model, cfg.policy[len(KVPRESS_PREFIX) :], ratio, self.context) as press:
-                self._press = press
-                yield
-        else:
+        ratio = compression_ratio(self.context, self.setting.entries(self.context))
+        with press_context(self.model, press, ratio, self.context):
             yield
 
     def make_cache(self):
-        from transformers import DynamicCache
-
-        from h2o_kv import H2OCache
-
-        cfg = self.cfg
-        if cfg.policy == "full" or cfg.policy.startswith(KVPRESS_PREFIX):
-            self.model.set_attn_implementation("sdpa")
-            return DynamicCache(config=self.model.config)
-        self.model.set_attn_implementation("h2o")
-        if cfg.heavy is not None:
-            return H2OCache(heavy=cfg.heavy, recent=cfg.recent, policy=cfg.policy)
-        return H2OCache(budget=cfg.budget, policy=cfg.policy)
+        self.model.set_attn_implementation("h2o" if self.setting.uses_h2o_cache else "sdpa")
+        return self.setting.make_cache(config=self.model.config)
 
 
 def _sync(device: torch.device) -> None:
@@ -177,16 +149,6 @@ def _prefill(run: _Run, ids: torch.Tensor):
     with run.prefill_context():
         out = run.model(input_ids=ids, **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
     return cache, out.logits[:, -1:].argmax(-1)
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Linear-interpolated percentile ``q`` in [0, 100] of ``values``."""
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    k = (len(ordered) - 1) * q / 100
-    lo, hi = math.floor(k), math.ceil(k)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
 def measure(lm: LoadedModel, cfg: BenchConfig, *, warmup: bool = True) -> dict:
@@ -254,7 +216,7 @@ def measure(lm: LoadedModel, cfg: BenchConfig, *, warmup: bool = True) -> dict:
         "cache_bytes_end": total_end,
         "cache_bytes_peak": peak_cache[0],
         "cache_bytes_per_seq_end": total_end / cfg.batch,
-        "kv_tokens_per_layer_head_end": _entries(cache),
+        "kv_tokens_per_layer_head_end": held_entries(cache),
         "seq_length_end": seq_len,
         "decode_cpu_util": decode_cpu_s / (decode_s * threads) if device.type == "cpu" and decode_s else None,
         "threads": threads,
@@ -263,13 +225,3 @@ def measure(lm: LoadedModel, cfg: BenchConfig, *, warmup: bool = True) -> dict:
         "prompt_sha1": hashlib.sha1(prompts.cpu().numpy().tobytes()).hexdigest()[:12],
     }
     return result
-
-
-def _entries(cache) -> int:
-    """Entries held per layer and KV head at the end (max over layers, sequences and heads)."""
-    layer = cache.layers[0] if getattr(cache, "layers", None) else None
-    if layer is None:
-        return 0
-    if hasattr(layer, "entry_count"):
-        return int(max(int(lay.entry_count().max()) for lay in cache.layers if lay.is_initialized))
-    return int(layer.keys.shape[2])

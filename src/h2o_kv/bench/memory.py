@@ -131,7 +131,7 @@ def parse_bytes(text: str) -> int:
     units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
     if not match or match.group(2).lower() not in units:
-        raise ValueError(f"--memory-limit: expected a size like 377MB, 1.5GiB or full@4; got {text!r}")
+        raise ValueError(f"--memory-limit: expected a size like 377MB, 1.5GiB or dynamic@4; got {text!r}")
     value = float(match.group(1)) * units[match.group(2).lower()]
     if value <= 0:
         raise ValueError(f"--memory-limit must be > 0, got {text!r}")

@@ -96,8 +96,9 @@ def _steps(lm: LoadedModel, cache, first, start: int, steps: int) -> float:
 
 def profile_decode(lm: LoadedModel, cfg: BenchConfig, steps: int = 24, warmup_steps: int = 4) -> dict:
     """Split the decode step of ``cfg`` (an h2o-kv policy) into attention, bookkeeping and the rest."""
-    if cfg.policy == "full" or cfg.policy.startswith("kvpress:"):
-        raise ValueError("profile splits the decode step of an h2o-kv policy (h2o, local, sink, ...)")
+    setting = cfg.setting
+    if not (setting.uses_h2o_cache and setting.bounded):
+        raise ValueError("profile splits the decode step of an evicting h2o-kv policy (h2o, local, sink, ...)")
     prompts = make_prompts(lm.tokenizer, cfg.batch, cfg.context, vocab_size=lm.model.config.vocab_size)
     cache, first = _prefill(_Run(lm, cfg, cfg.context), prompts.to(lm.device))
     _steps(lm, cache, first, cfg.context, warmup_steps)
@@ -130,7 +131,7 @@ def profile_decode(lm: LoadedModel, cfg: BenchConfig, steps: int = 24, warmup_st
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20)
     return {
         "config": cfg.to_dict(),
-        "budget_entries": cfg.heavy + cfg.recent if cfg.heavy is not None else None,
+        "budget_entries": setting.entries(cfg.context),
         "steps": steps,
         "step_ms": 1000 * step_total / steps,
         "split_ms": per_step_ms,

@@ -1,5 +1,9 @@
-"""Summaries of benchmark results: medians over repeats, ratios against ``full``, a markdown table, the plot,
-and the bytes-moved model of a decode step.
+"""Summaries of bench results: medians over repeats, ratios against a baseline setting (``dynamic`` by default), a
+markdown table, the plot, and the bytes-moved model of a decode step.
+
+What each number is: a row's metrics are **medians over its repeats** (:func:`h2o_kv.tables.median`); ``decode
+tok/s`` is generated tokens over the summed step times (a **mean** over steps), ``p50``/``p99`` are percentiles of the
+step times; the ``decode`` ratio is a ratio of those mean rates, ``decode p50`` the ratio of median step times.
 """
 
 from __future__ import annotations
@@ -9,20 +13,30 @@ import pathlib
 import statistics
 from collections import defaultdict
 
+from ..records import bounded
+from ..setting import PRESS_PREFIX
+from ..tables import markdown, median
+
 MiB = 2**20
 METRICS = (
     "prefill_s", "decode_tok_s", "step_ms_p50", "step_ms_p99", "e2e_tok_s", "prefill_peak_bytes",
     "prefill_peak_increase_bytes", "decode_peak_increase_bytes", "kv_bytes_end", "cache_bytes_end",
     "cache_bytes_peak", "decode_cpu_util",
 )  # fmt: skip
+BASELINE = "dynamic"
 
 
 def load(path: str | pathlib.Path) -> dict:
-    return json.loads(pathlib.Path(path).read_text())
+    """A bench results file (``{"kind": "bench", "runs", "records"}``)."""
+    data = json.loads(pathlib.Path(path).read_text())
+    if data.get("kind") != "bench":
+        raise ValueError(f"{path} is not an h2o-kv bench results file")
+    return data
 
 
-def summarise(records: list[dict]) -> list[dict]:
-    """One row per configuration key: the median of every metric over its repeats (probe runs left out)."""
+def summarise(records: list[dict], baseline: str = BASELINE) -> list[dict]:
+    """One row per configuration key: the median of every metric over its repeats (probe runs left out), with
+    ratios against ``baseline`` (an unbounded setting) at the same prompt length, batch and new tokens."""
     groups: dict[str, list[dict]] = defaultdict(list)
     for r in records:
         if r["config"].get("tag") != "probe":
@@ -32,7 +46,7 @@ def summarise(records: list[dict]) -> list[dict]:
         row = {"key": key, "config": runs[0]["config"], "repeats": len(runs)}
         for name in METRICS:
             values = [r[name] for r in runs if r.get(name) is not None]
-            row[name] = statistics.median(values) if values else None
+            row[name] = median(values).value if values else None
         for name in ("fit_batch", "memory_limit_bytes", "fits", "footprint_per_seq_bytes", "weight_bytes",
                      "kept_after_prefill", "random_init", "model", "device", "dtype", "seq_length_end",
                      "code_sha1", "prompt_sha1"):  # fmt: skip
@@ -41,31 +55,32 @@ def summarise(records: list[dict]) -> list[dict]:
         if "fits" in runs[0]:
             row["fits"] = all(r.get("fits", False) for r in runs)
         rows.append(row)
-    _add_ratios(rows)
+    _add_ratios(rows, baseline)
     return rows
 
 
-def _add_ratios(rows: list[dict]) -> None:
-    """Ratios against ``full`` at the same prompt length, batch and new tokens (and for fitted runs, against
-    ``full`` at the batch that defined the limit)."""
-    full = {}
+def _add_ratios(rows: list[dict], baseline: str) -> None:
+    """Ratios against ``baseline`` at the same prompt length, batch and new tokens (and for fitted runs, against
+    ``baseline`` at the batch that defined the memory limit)."""
+    base = {}
     for row in rows:
         c = row["config"]
-        if c["policy"] == "full":
-            full[(c["context"], c["batch"], c["new_tokens"])] = row
+        if c["policy"] == baseline and c.get("tag") != "fit":
+            base[(c["context"], c["batch"], c["new_tokens"])] = row
     for row in rows:
         c = row["config"]
-        ref = full.get((c["context"], c["batch"], c["new_tokens"]))
+        ref = base.get((c["context"], c["batch"], c["new_tokens"]))
         if c.get("tag") == "fit":
             same_limit = [
-                f for (ctx, _, new), f in full.items()
+                f for (ctx, _, new), f in base.items()
                 if ctx == c["context"] and new == c["new_tokens"] and f["cache_bytes_peak"] == row["memory_limit_bytes"]
             ]  # fmt: skip
             ref = same_limit[0] if same_limit else None
         if ref is None or ref is row:
             continue
-        row["vs_full"] = ref["key"]
+        row["vs"] = ref["key"]
         row["decode_speedup"] = _ratio(row["decode_tok_s"], ref["decode_tok_s"])
+        row["decode_p50_speedup"] = _ratio(ref["step_ms_p50"], row["step_ms_p50"])
         row["e2e_speedup"] = _ratio(row["e2e_tok_s"], ref["e2e_tok_s"])
         row["kv_ratio"] = _ratio(row["kv_bytes_end"], ref["kv_bytes_end"])
         row["prefill_time_ratio"] = _ratio(row["prefill_s"], ref["prefill_s"])
@@ -81,56 +96,56 @@ def _fmt(value, spec: str = ".2f", scale: float = 1.0) -> str:
     return "-" if value is None else format(value / scale, spec)
 
 
-def markdown_table(rows: list[dict]) -> str:
-    """The results as a markdown table (sorted by prompt length, batch, policy)."""
-    head = (
-        "| policy | prompt | batch | new | prefill s | decode tok/s | p50 / p99 ms | e2e tok/s | prefill peak +MiB "
-        "| decode peak +MiB | cache MiB | vs full: decode | e2e | KV | prefill time | prefill peak |\n"
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
-    )
+def markdown_table(rows: list[dict], baseline: str = BASELINE) -> str:
+    """The results as a markdown table (sorted by prompt length, batch, setting), means and medians labelled."""
+    header = [
+        "setting", "prompt", "batch", "new", "prefill s", "decode tok/s (mean)", "step ms p50 / p99", "e2e tok/s",
+        "prefill peak +MiB", "decode peak +MiB", "cache MiB", f"vs {baseline}: decode (mean)", "decode (p50)",
+        "e2e", "KV", "prefill time", "prefill peak",
+    ]  # fmt: skip
     lines = []
     for row in sorted(rows, key=_sort_key):
         c = row["config"]
-        name = c["policy"] + (" (fit)" if c.get("tag") == "fit" else "")
         batch = f"{c['batch']}" + (f" (prefill {c['prefill_batch']}, repeated)" if c.get("prefill_batch") else "")
-        lines.append(
-            f"| {name} | {c['context']} | {batch} | {c['new_tokens']} | {_fmt(row['prefill_s'], '.1f')} "
-            f"| {_fmt(row['decode_tok_s'])} | {_fmt(row['step_ms_p50'], '.0f')} / {_fmt(row['step_ms_p99'], '.0f')} "
-            f"| {_fmt(row['e2e_tok_s'])} | {_fmt(row['prefill_peak_increase_bytes'], '.0f', MiB)} "
-            f"| {_fmt(row['decode_peak_increase_bytes'], '.0f', MiB)} | {_fmt(row['cache_bytes_end'], '.0f', MiB)} "
-            f"| {_fmt(row.get('decode_speedup'))}x | {_fmt(row.get('e2e_speedup'))}x "
-            f"| {_fmt(row.get('kv_ratio'), '.3f')} "
-            f"| {_fmt(row.get('prefill_time_ratio'))} | {_fmt(row.get('prefill_peak_ratio'))} |"
-        )
-    return head + "\n".join(lines) + "\n"
+        lines.append([
+            c["policy"] + (" (fit)" if c.get("tag") == "fit" else ""), str(c["context"]), batch, str(c["new_tokens"]),
+            _fmt(row["prefill_s"], ".1f"), _fmt(row["decode_tok_s"]),
+            f"{_fmt(row['step_ms_p50'], '.0f')} / {_fmt(row['step_ms_p99'], '.0f')}", _fmt(row["e2e_tok_s"]),
+            _fmt(row["prefill_peak_increase_bytes"], ".0f", MiB), _fmt(row["decode_peak_increase_bytes"], ".0f", MiB),
+            _fmt(row["cache_bytes_end"], ".0f", MiB), f"{_fmt(row.get('decode_speedup'))}x",
+            f"{_fmt(row.get('decode_p50_speedup'))}x", f"{_fmt(row.get('e2e_speedup'))}x",
+            _fmt(row.get("kv_ratio"), ".3f"), _fmt(row.get("prefill_time_ratio")), _fmt(row.get("prefill_peak_ratio")),
+        ])  # fmt: skip
+    note = "Each row: the median over its repeats; decode tok/s is a mean over the decode steps."
+    return "\n".join([note, "", *markdown(header, lines)]) + "\n"
 
 
 def _sort_key(row):
     c = row["config"]
-    order = {"full": 0, "h2o": 1, "local": 2, "sink": 3}
-    return (c["new_tokens"], c["context"], c.get("tag") == "fit", c["batch"], order.get(c["policy"], 9), c["policy"])
+    return (c["new_tokens"], c["context"], c.get("tag") == "fit", c["batch"], bounded(c), c["policy"])
 
 
 def bytes_model(rows: list[dict]) -> list[dict]:
-    """Bytes moved per decode step, full vs each other policy, and how close the measured speed-up comes.
+    """Bytes moved per decode step, the baseline (the stock ``DynamicCache``) vs each other setting, and how close
+    the measured speed-up comes.
 
     ``ideal``: weights + one read of the KV entries attended. ``stock``: the stock ``DynamicCache`` also copies its
-    whole cache every step (``torch.cat``: one more read and one write), so full moves weights + 3 x KV.
-    Entries are averaged over the decode: ``L + new/2`` for full and for kvpress (its compressed cache grows again
-    by one entry per step), ``kept + 1`` for a bounded h2o-kv cache. KV bytes per entry come from the full run.
+    whole cache every step (``torch.cat``: one more read and one write), so it moves weights + 3 x KV.
+    Entries are averaged over the decode: ``L + new/2`` for the baseline and for kvpress (its compressed cache grows
+    again by one entry per step), ``kept + 1`` for a bounded h2o-kv cache. KV bytes per entry come from the baseline.
     """
     by_key = {r["key"]: r for r in rows}
     out = []
     for row in rows:
         c = row["config"]
-        ref = by_key.get(row.get("vs_full"))
+        ref = by_key.get(row.get("vs"))
         if row.get("decode_speedup") is None or c.get("tag") == "fit" or ref is None or not row.get("weight_bytes"):
             continue
         per_entry = ref["kv_bytes_end"] / (c["batch"] * ref["seq_length_end"])
         weights = row["weight_bytes"]
         tokens_full = c["context"] + c["new_tokens"] / 2
         kept = row.get("kept_after_prefill") or c["context"]
-        tokens_pol = kept + c["new_tokens"] / 2 if c["policy"].startswith("kvpress:") else kept + 1
+        tokens_pol = kept + c["new_tokens"] / 2 if c["policy"].startswith(PRESS_PREFIX) else kept + 1
         kv_full, kv_pol = c["batch"] * tokens_full * per_entry, c["batch"] * tokens_pol * per_entry
         ideal = (weights + kv_full) / (weights + kv_pol)
         stock = (weights + 3 * kv_full) / (weights + kv_pol)

@@ -1,5 +1,9 @@
 """Running a benchmark grid: alternating order, repeats, a fresh process per measurement, a shared CPU lock,
 incremental JSON results (resumable), and the largest batch that fits a KV-memory limit.
+
+A results file is one bench record (:mod:`h2o_kv.records`): ``{"schema", "kind": "bench", "runs": [...],
+"records": [...]}``. Every invocation that writes into the file appends its ``run`` (command as typed, code revision,
+kernels, versions, machine, the model and options) and each measurement names the run that made it.
 """
 
 from __future__ import annotations
@@ -11,13 +15,14 @@ import json
 import math
 import os
 import pathlib
-import platform
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
+from .. import records
+from ..setting import check_name, is_bounded
 from .harness import BenchConfig
 from .memory import parse_bytes
 from .worker import RESULT_PREFIX
@@ -36,8 +41,6 @@ class RunSettings:
     isolate: str = "auto"  # "process" | "none" | "auto" (process on CPU, none on CUDA)
     lock: str | None = None
     warmup: bool = True
-    command: str = ""
-    extra_meta: dict = field(default_factory=dict)
 
     def isolated(self, device_type: str) -> bool:
         if self.isolate not in ("auto", "process", "none"):
@@ -46,15 +49,19 @@ class RunSettings:
 
 
 class ResultStore:
-    """``{"meta": ..., "records": [...]}`` in one JSON file, rewritten atomically after every measurement."""
+    """A bench results file, rewritten atomically after every measurement; opening it appends this invocation's
+    ``run`` (resume: measurements already in the file are skipped by :func:`run_measurements`)."""
 
-    def __init__(self, path: str | os.PathLike, meta: dict):
+    def __init__(self, path: str | os.PathLike, run: dict):
         self.path = pathlib.Path(path)
-        self.data = {"meta": meta, "records": []}
+        self.data = {"schema": records.SCHEMA, "kind": "bench", "runs": [], "records": []}
         if self.path.is_file():
             old = json.loads(self.path.read_text())
-            self.data["records"] = old.get("records", [])
-            self.data["meta"] = {**old.get("meta", {}), **meta}
+            if old.get("kind") != "bench" or "runs" not in old:
+                raise ValueError(f"--out {self.path} is not an h2o-kv bench results file")
+            self.data["runs"], self.data["records"] = old["runs"], old["records"]
+        self.run = len(self.data["runs"])
+        self.data["runs"].append(run)
 
     @property
     def records(self) -> list[dict]:
@@ -64,14 +71,11 @@ class ResultStore:
         return next((r for r in self.records if r["key"] == key and r.get("repeat") == repeat), None)
 
     def add(self, record: dict) -> None:
-        self.records.append(record)
+        self.records.append({**record, "run": self.run})
         self.save()
 
     def save(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(self.path.suffix + ".tmp")
-        tmp.write_text(json.dumps(self.data, indent=1, sort_keys=False) + "\n")
-        os.replace(tmp, self.path)
+        records.save(self.path, self.data)
 
 
 @contextlib.contextmanager
@@ -86,30 +90,6 @@ def cpu_lock(path: str | None) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def machine_meta() -> dict:
-    import torch
-    import transformers
-
-    from h2o_kv import kernels
-
-    meta = {
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "fused_cpu_kernels": kernels.available(),  # h2o_kv.kernels (H2O_KV_FUSED)
-    }
-    from importlib.metadata import PackageNotFoundError, version
-
-    with contextlib.suppress(PackageNotFoundError):
-        meta["kvpress"] = version("kvpress")
-    if torch.cuda.is_available():
-        meta["cuda_device"] = torch.cuda.get_device_name(0)
-    return meta
 
 
 class Executor:
@@ -208,18 +188,19 @@ def _summary(r: dict) -> str:
 
 
 # -- memory limit --------------------------------------------------------------------------------------------
-def parse_limit(text: str) -> tuple[str, int]:
-    """``--memory-limit``: ``("bytes", n)`` for a size, ``("full", B)`` for ``full@B``."""
+def parse_limit(text: str) -> tuple[str | None, int]:
+    """``--memory-limit``: ``(None, bytes)`` for a size, ``(setting, B)`` for ``SETTING@B`` (what the unbounded
+    ``SETTING``, e.g. ``dynamic``, needs at batch ``B`` for the same workload)."""
     text = text.strip()
-    if text.startswith("full@"):
-        try:
-            batch = int(text[5:])
-        except ValueError:
-            batch = 0
-        if batch < 1:
-            raise ValueError(f"--memory-limit full@B needs a batch size B >= 1, got {text!r}")
-        return "full", batch
-    return "bytes", parse_bytes(text)
+    if "@" not in text:
+        return None, parse_bytes(text)
+    name, _, batch = text.partition("@")
+    check_name(name, "--memory-limit SETTING@B: SETTING")
+    if is_bounded(name):
+        raise ValueError(f"--memory-limit {text}: SETTING must keep every entry (dynamic or full), not {name!r}")
+    if not batch.isdigit() or int(batch) < 1:
+        raise ValueError(f"--memory-limit {text}: B must be a batch size >= 1")
+    return name, int(batch)
 
 
 def footprint_per_sequence(probe: dict, new_tokens: int) -> float:
@@ -243,25 +224,27 @@ def fit_runs(
     progress: Callable[[str], None] | None = None,
     max_batch: int = 256,
 ) -> list[dict]:
-    """For each non-full configuration: the largest batch whose cache fits ``limit``, then run that batch.
+    """For each bounded configuration: the largest batch whose cache fits ``limit``, then run that batch.
 
-    ``limit`` is a size or ``full@B``: the cache bytes ``full`` measured at batch ``B`` for the same prompt length
-    and new tokens (measured here first if the store has no such record). Results carry ``memory_limit_bytes``,
-    ``fit_batch`` and ``fits`` (the verified run's peak cache bytes are within the limit).
+    ``limit`` is a size or ``SETTING@B``: the cache bytes the unbounded ``SETTING`` (``dynamic``, ``full``) measured
+    at batch ``B`` for the same prompt length and new tokens (measured here first if the store has no such record).
+    Results carry ``memory_limit_bytes``, ``fit_batch`` and ``fits`` (the verified run's peak cache bytes are within
+    the limit).
     """
     executor = executor or Executor(settings)
-    kind, value = parse_limit(limit)
+    reference_setting, value = parse_limit(limit)
     fitted = []
     seen_groups = set()
     for cfg in configs:
-        if cfg.policy == "full":
+        if not cfg.setting.bounded:
             continue
         group = replace(cfg, batch=1, prefill_batch=None, tag="")
         if group.key in seen_groups:
             continue
         seen_groups.add(group.key)
-        if kind == "full":
-            reference = replace(cfg, policy="full", batch=value, prefill_batch=None, tag="")
+        if reference_setting is not None:
+            reference = replace(cfg, policy=reference_setting, budget=None, heavy=None, recent=None, batch=value,
+                                prefill_batch=None, tag="")  # fmt: skip
             runs = run_measurements([reference], store, replace(settings, repeats=1), executor, progress)
             limit_bytes = runs[0]["cache_bytes_peak"]
         else:
@@ -288,13 +271,20 @@ def fit_runs(
     return results
 
 
-def new_meta(settings: RunSettings) -> dict:
+def run_info(settings: RunSettings, grid: list[BenchConfig]) -> dict:
+    """This invocation's entry in the results file: :func:`h2o_kv.records.provenance` plus the run's options."""
+    from .workload import resolve_device
+
+    device = resolve_device(settings.device)
+    packages = ("kvpress",) if any(cfg.setting.press for cfg in grid) else ()
+    from ..models import DEFAULT_MODEL
+
     return {
-        "command": settings.command,
-        "model": settings.model or "SmolLM2-135M-Instruct",
+        **records.provenance(device=device, h2o_cache=any(c.setting.uses_h2o_cache for c in grid), packages=packages),
+        "model": settings.model or DEFAULT_MODEL,
         "requested_device": settings.device or "auto",
         "dtype": settings.dtype,
+        "threads": settings.threads,
         "repeats": settings.repeats,
-        "machine": machine_meta(),
-        **settings.extra_meta,
+        "isolate": settings.isolate,
     }

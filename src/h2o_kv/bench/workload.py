@@ -8,17 +8,13 @@ depend on the weights' values, and results record ``random_init: true``.
 
 from __future__ import annotations
 
-import os
-import pathlib
-import re
 from dataclasses import dataclass
 
 import torch
 
-DATA_ENV = "H2O_KV_DATA_DIR"
+from ..data import data_path, strip_gutenberg
+
 PG19_BOOKS = ("pg10146_reminiscences_of_pioneer_days_in_st_paul.txt", "pg10321_dragons_blood.txt")
-_GUTENBERG_START = re.compile(r"\*\*\* ?START OF.*?\*\*\*", re.DOTALL)  # the marker may wrap over two lines
-_GUTENBERG_END = re.compile(r"\*\*\* ?END OF")
 
 # Architectures for randomly initialised models. Values are the public configs of the named models.
 RANDOM_SHAPES: dict[str, dict] = {
@@ -46,29 +42,12 @@ RANDOM_SHAPES: dict[str, dict] = {
 }  # fmt: skip
 
 
-def data_dir() -> pathlib.Path:
-    """The shared data folder: ``$H2O_KV_DATA_DIR``, else ``shared/data`` next to (or above) the checkout."""
-    if os.environ.get(DATA_ENV):
-        return pathlib.Path(os.environ[DATA_ENV])
-    here = pathlib.Path(__file__).resolve()
-    for parent in here.parents:
-        for candidate in (parent / "shared" / "data", parent.parent / "shared" / "data"):
-            if (candidate / "pg19").is_dir():
-                return candidate
-    return pathlib.Path("/work/shared/data")
-
-
 def pg19_text() -> str:
-    """The PG-19 books' text without the Project Gutenberg header and licence."""
-    folder = data_dir() / "pg19"
+    """The PG-19 books' text without the Project Gutenberg header and licence (:func:`h2o_kv.data.strip_gutenberg`)."""
     parts = []
     for name in PG19_BOOKS:
-        path = folder / name
-        if not path.is_file():
-            raise FileNotFoundError(f"benchmark prompts need {path} (set ${DATA_ENV} to the shared data folder)")
-        text = path.read_text(encoding="utf-8", errors="replace").replace("\r\n", "\n")
-        start, end = _GUTENBERG_START.search(text), _GUTENBERG_END.search(text)
-        parts.append(text[start.end() if start else 0 : end.start() if end else len(text)].strip())
+        text = data_path(f"pg19/{name}").read_text(encoding="utf-8", errors="replace").replace("\r\n", "\n")
+        parts.append(strip_gutenberg(text).strip())
     return "\n\n".join(parts)
 
 
@@ -122,17 +101,17 @@ class LoadedModel:
 
 def resolve_device(device: str | None) -> torch.device:
     """``None``/``"auto"`` picks CUDA when available, else CPU; otherwise validated by :func:`h2o_kv.models`."""
-    from h2o_kv.models import _resolve_device
+    from ..models import resolve_device as resolve
 
-    return _resolve_device(None if device in (None, "auto") else device)
+    return resolve(None if device in (None, "auto") else device)
 
 
 def load_bench_model(name: str | None, *, device: str | None = None, dtype: str | None = None) -> LoadedModel:
     """The default model, a local model directory, or ``random:<shape>`` (see :data:`RANDOM_SHAPES`)."""
-    from h2o_kv.models import _resolve_dtype, enable_h2o, load_model
+    from ..models import enable_h2o, load_model, resolve_dtype
 
     dev = resolve_device(device)
-    dt = _resolve_dtype(dtype, dev)
+    dt = resolve_dtype(dtype, dev)
     if name and name.startswith("random:"):
         shape = name.split(":", 1)[1]
         if shape not in RANDOM_SHAPES:
@@ -150,7 +129,9 @@ def load_bench_model(name: str | None, *, device: str | None = None, dtype: str 
     model, tokenizer = load_model(name, dtype=dt, device=dev)
     if tokenizer is None:
         tokenizer = _default_tokenizer()
-    label = name or "SmolLM2-135M-Instruct"
+    from ..models import DEFAULT_MODEL
+
+    label = name or DEFAULT_MODEL
     return LoadedModel(model, tokenizer, label, False, dev, dt)
 
 
@@ -168,11 +149,9 @@ def _default_tokenizer():
 
     Falls back to :class:`ByteTokenizer` where the default model is not installed (e.g. a bare GPU machine).
     """
-    from transformers import AutoTokenizer
-
-    from h2o_kv.models import _ensure_default_model
+    from ..models import load_tokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(_ensure_default_model(), local_files_only=True)
+        return load_tokenizer() or ByteTokenizer()
     except (FileNotFoundError, OSError, ImportError):
         return ByteTokenizer()

@@ -15,15 +15,20 @@ magic word) failed at 4k tokens even with the full cache. Score = fraction of th
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .. import records
+from ..data import data_path, sha256
+from ..setting import KVSetting
+from .options import check_options
 from .prompts import chat_prompt_ids, generate_text, has_chat_template
-from .results import SHARED_DATA, ItemLog, finish_result, item_log_path, sha256
-from .tasks import KVRunner, KVSpec
+from .results import ItemLog, finish_result, item_log_path
+from .runner import KVRunner
 
 HAYSTACK_DIR = "haystack/PaulGrahamEssays"
 NEEDLE = "The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day."
@@ -34,10 +39,11 @@ MAX_NEW_TOKENS = 32
 
 
 def haystack_files(folder: str | Path | None = None) -> list[Path]:
-    folder = SHARED_DATA / HAYSTACK_DIR if folder is None else Path(folder)
+    """The essays of the haystack folder (default: the shared data's), in file-name order."""
+    folder = data_path(HAYSTACK_DIR) if folder is None else Path(folder)
     files = sorted(folder.glob("*.txt")) if folder.is_dir() else []
     if not files:
-        raise FileNotFoundError(f"haystack folder {folder} holds no .txt essays (set H2O_KV_DATA)")
+        raise FileNotFoundError(f"haystack folder {folder} holds no .txt essays")
     return files
 
 
@@ -63,7 +69,7 @@ def parse_ints(value: str | Sequence[int], what: str, low: int, high: int | None
 class NeedleJob:
     """A validated needle grid (see :meth:`create`)."""
 
-    spec: KVSpec
+    setting: KVSetting
     lengths: list[int]
     depths: list[int]
     files: list[Path] = field(repr=False)
@@ -72,7 +78,7 @@ class NeedleJob:
     @classmethod
     def create(
         cls,
-        spec: KVSpec,
+        setting: KVSetting,
         lengths: str | Sequence[int],
         depths: str | Sequence[int],
         tokenizer,
@@ -89,11 +95,9 @@ class NeedleJob:
         ids = tokenizer.encode(text, add_special_tokens=False)
         if max(lengths) > len(ids):
             raise ValueError(f"--lengths: {max(lengths)} tokens exceed the haystack's {len(ids)} tokens")
-        return cls(spec, sorted(lengths), sorted(depths), files, ids)
+        return cls(setting, sorted(lengths), sorted(depths), files, ids)
 
     def data(self) -> dict[str, Any]:
-        import hashlib
-
         digest = hashlib.sha256("".join(sha256(p) for p in self.files).encode()).hexdigest()
         return {"name": HAYSTACK_DIR, "sha256": digest, "files": len(self.files)}
 
@@ -133,15 +137,14 @@ def run_needle(
     model_name: str,
     png: str | Path | None = None,
     compare: Sequence[dict[str, Any]] = (),
-    extra: dict[str, Any] | None = None,
     progress: Callable[[int], None] | None = None,
     keep_item_log: bool = False,
 ) -> dict[str, Any]:
     """Run the grid (resumable per cell), write the JSON and, with ``png``, the heatmap (depth x length)."""
-    runner = KVRunner(model, job.spec)
+    runner = KVRunner(model, job.setting)
     log = None
     if json_path is not None:
-        settings = {"model": model_name, **asdict(job.spec), "needle": NEEDLE, "question": QUESTION}
+        settings = {"model": model_name, **job.setting.fields(), "needle": NEEDLE, "question": QUESTION}
         log = ItemLog(item_log_path(json_path), settings)
     start = time.time()
     cells = []
@@ -168,7 +171,6 @@ def run_needle(
         row = [c["score"] for c in cells if c["length"] == length]
         metrics[f"score_{length}"] = sum(row) / len(row)
     fields = {
-        **job.spec.fields(),
         "label": f"needle in a haystack (lengths {','.join(map(str, job.lengths))})",
         "model": model_name,
         "primary_metric": "score",
@@ -187,17 +189,18 @@ def run_needle(
         },
         "data": job.data(),
         "time_s": round(time.time() - start, 1),
-        **(extra or {}),
     }
-    record = finish_result(json_path, "needle", metrics, fields, keep_item_log=keep_item_log)
+    record = finish_result(
+        json_path, "needle", metrics, fields, setting=job.setting, device=model.device, keep_item_log=keep_item_log
+    )
     if png is not None:
         plot_heatmaps([record, *compare], png)
     return record
 
 
 def _title(record: dict[str, Any]) -> str:
-    if record.get("policy") == "full":
-        return "full"
+    if not records.bounded(record):
+        return str(record.get("policy"))
     budget = record.get("budget")
     size = (
         f"{100 * budget:g}%" if isinstance(budget, (int, float)) else f"H{record.get('heavy')}+R{record.get('recent')}"
@@ -248,12 +251,10 @@ def plot_heatmaps(records: Sequence[dict[str, Any]], path: str | Path) -> Path:
     return path
 
 
-# -- `h2o-kv eval sweep --kind needle` --------------------------------------------------------------------------
+# -- `h2o-kv eval sweep --kind needle` (registered in h2o_kv.eval.kinds) --------------------------------------
 
 
-def _sweep_prepare(options: dict[str, Any], models) -> dict[str, Any]:
-    from .tasks import check_options
-
+def sweep_prepare(options: dict[str, Any], models) -> dict[str, Any]:
     check_options("needle", options, {"lengths", "depths"})
     settings = {
         "lengths": str(options.get("lengths", "1024,2048,4096")),
@@ -264,22 +265,10 @@ def _sweep_prepare(options: dict[str, Any], models) -> dict[str, Any]:
     return settings
 
 
-def _sweep_run(settings, policy, budget, path, models, progress):
+def sweep_run(settings, setting: KVSetting, path: Path, models, progress) -> dict[str, Any]:
     from ..models import model_context_length
-    from .tasks import cell_spec
 
     model = models.model()
-    job = NeedleJob.create(cell_spec(policy, budget), settings["lengths"], settings["depths"], models.tokenizer(),
+    job = NeedleJob.create(setting, settings["lengths"], settings["depths"], models.tokenizer(),
                            max_length=model_context_length(model))  # fmt: skip
     return run_needle(job, model, models.tokenizer(), path, model_name=models.label, progress=progress)
-
-
-def _register_sweep_kind() -> None:
-    from .sweep import SweepKind, register_kind
-    from .tasks import cell_spec
-
-    check = lambda settings, policy, budget: cell_spec(policy, budget)  # noqa: E731
-    register_kind(SweepKind("needle", _sweep_prepare, _sweep_run, check, "needle in a haystack (h2o-kv eval needle)"))
-
-
-_register_sweep_kind()

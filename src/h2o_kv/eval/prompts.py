@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .tasks import KVRunner, Session
+    from .runner import KVRunner, Session
 
 
 def has_chat_template(tokenizer) -> bool:

@@ -1,15 +1,16 @@
-"""Turn result JSONs into a markdown report: tables (rows policy, columns budget, one table per metric) and plots
-(quality vs budget, one line per policy; external peers such as kvpress presses dashed).
+"""Turn result records into markdown: tables (rows setting, columns budget, one table per metric), paired comparisons
+with a baseline setting, and plots (quality vs budget, one line per setting; external peers such as kvpress dashed).
 
-Conventions read from each result (:func:`h2o_kv.eval.results.write_result`):
+Conventions read from each record (:mod:`h2o_kv.records`):
 
-* ``metrics``: numeric values; ``<m>_stderr`` (a standard error) or ``<m>_ci`` (``[low, high]``) next to a
-  metric ``<m>`` are shown with it; ``primary_metric`` names the plotted one, ``lower_is_better`` its direction.
-* results are grouped by ``(kind, label, model)``; ``peer: true`` marks an external implementation.
+* ``metrics``: numeric values; ``<m>_stderr`` (a standard error) or ``<m>_ci`` (``[low, high]``) next to a metric
+  ``<m>`` are shown with it; ``primary_metric`` names the plotted one, ``lower_is_better`` its direction.
+* records are grouped by ``(kind, label, model)``; ``peer: true`` marks an external implementation; an unbounded
+  setting (``dynamic``, ``full``; ``bounded: false``) is the baseline of every budget.
 * ``cache.peak_kv_tokens``: the most KV entries a layer held, shown in its own table;
-* ``block_nll`` (perplexity runs): block means of the per-token NLL; with a ``full`` run of the same text the
-  report adds the paired change in perplexity vs full (and vs any other ``baselines`` policy at the same
-  budget) with a 95% batch-means confidence interval.
+* paired comparisons (:mod:`h2o_kv.tables`): perplexity from ``block_nll`` (block means of the per-token NLL,
+  change in perplexity with a 95% batch-means interval); lm-eval tasks from ``items[task][acc|acc_norm]``; XSUM
+  from ``items[rouge*]`` (mean of item-by-item differences ± its standard error).
 """
 
 from __future__ import annotations
@@ -22,43 +23,42 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from .. import records as rec
+from ..tables import Estimate, average, markdown, paired
+
 SKIP_SUFFIXES = ("_stderr", "_ci")
 
 
 def load_records(paths: list[str | Path]) -> list[dict[str, Any]]:
-    """Result records from files and folders (searched recursively); ``sweep.json`` manifests are skipped."""
-    records = []
+    """Result records (those with ``metrics``) from files and folders, searched recursively."""
+    found = []
     for root in map(Path, paths):
         if not root.exists():
             raise FileNotFoundError(f"{root} does not exist")
-        files = sorted(root.rglob("*.json")) if root.is_dir() else [root]
-        for path in files:
-            if path.name == "sweep.json":
-                continue
+        for path in sorted(root.rglob("*.json")) if root.is_dir() else [root]:
             try:
-                record = json.loads(path.read_text())
+                data = json.loads(path.read_text())
             except json.JSONDecodeError as err:
                 raise ValueError(f"{path} is not valid JSON: {err}") from None
-            if isinstance(record, dict) and "kind" in record and isinstance(record.get("metrics"), dict):
-                records.append({**record, "_path": str(path)})
-    return records
+            if isinstance(data, dict) and "kind" in data and isinstance(data.get("metrics"), dict):
+                found.append({**data, "_path": str(path)})
+    return found
 
 
 def _number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _budget_key(record: dict[str, Any]) -> tuple[float, str]:
-    """(sort key, column label) of a result's budget."""
+def budget_column(record: dict[str, Any]) -> tuple[float, str]:
+    """(sort key, column label) of a record's budget; an unbounded setting is the ``100%`` column."""
     budget = record.get("budget")
     if _number(budget):
         return float(budget), f"{100 * budget:g}%"
     heavy, recent = record.get("heavy"), record.get("recent")
-    total = (heavy or 0) + (recent or 0)
-    return float("inf") if not total else 1e6 + total, f"H{heavy}+R{recent}"
+    return 1e6 + (heavy or 0) + (recent or 0), f"H{heavy}+R{recent}"
 
 
-def _row_name(record: dict[str, Any]) -> str:
+def row_name(record: dict[str, Any]) -> str:
     return str(record.get("policy")) + (" (peer)" if record.get("peer") and "peer" not in str(record["policy"]) else "")
 
 
@@ -69,8 +69,7 @@ def _fmt(value: float) -> str:
 
 
 def _cell(metrics: dict[str, Any], name: str) -> str:
-    value = metrics[name]
-    text = _fmt(value)
+    text = _fmt(metrics[name])
     ci, stderr = metrics.get(f"{name}_ci"), metrics.get(f"{name}_stderr")
     if isinstance(ci, (list, tuple)) and len(ci) == 2 and all(map(_number, ci)):
         text += f" [{_fmt(ci[0])}, {_fmt(ci[1])}]"
@@ -79,62 +78,55 @@ def _cell(metrics: dict[str, Any], name: str) -> str:
     return text
 
 
-def group_records(records: list[dict[str, Any]]) -> dict[tuple[str, str, str], list[dict[str, Any]]]:
+def group_records(found: list[dict[str, Any]]) -> dict[tuple[str, str, str], list[dict[str, Any]]]:
     groups: dict[tuple[str, str, str], list[dict[str, Any]]] = defaultdict(list)
-    for record in records:
-        key = (record["kind"], str(record.get("label") or record["kind"]), str(record.get("model", "")))
-        groups[key].append(record)
+    for record in found:
+        groups[(record["kind"], str(record.get("label") or record["kind"]), str(record.get("model", "")))].append(
+            record
+        )
     return dict(groups)
 
 
-def paired_change(
-    records: list[dict[str, Any]], baseline: str = "full"
-) -> dict[tuple[str, str], tuple[float, float, float]]:
-    """(row, column) -> (change of perplexity vs ``baseline`` in %, 95% CI low, high), paired over the same tokens.
+def order(record: dict[str, Any]) -> tuple:
+    """Unbounded baselines first, then h2o-kv settings, then peers, each by name."""
+    return (rec.bounded(record), bool(record.get("peer")), str(record.get("policy")))
 
-    Each record is compared with the ``baseline`` policy's record at the same budget (the ``full`` record serves
-    every budget). The point estimate is the exact perplexity ratio; its standard error is the batch-means error
-    of the per-block NLL differences (blocks of ``block_nll.size`` tokens)."""
-    bases = {
-        (None if r.get("policy") == "full" else _budget_key(r)[1]): r
-        for r in records
-        if r.get("policy") == baseline and not r.get("peer") and isinstance(r.get("block_nll"), dict)
-    }
+
+def baseline_of(group: list[dict[str, Any]], baseline: str, record: dict[str, Any]) -> dict[str, Any] | None:
+    """The ``baseline`` setting's record that ``record`` is compared with: the unbounded one, else the same budget."""
+    for base in group:
+        if base.get("policy") == baseline and not base.get("peer") and base is not record:
+            if not rec.bounded(base) or budget_column(base)[1] == budget_column(record)[1]:
+                return base
+    return None
+
+
+def paired_change(group: list[dict[str, Any]], baseline: str = "full") -> dict[tuple[str, str], tuple[float, ...]]:
+    """(row, column) -> (change of perplexity vs ``baseline`` in %, 95% interval low, high), paired over the same
+    tokens. The point estimate is the exact perplexity ratio; the interval comes from the batch-means error of the
+    per-block NLL differences (blocks of ``block_nll.size`` tokens), mapped through ``exp``."""
     out = {}
-    for record in records:
-        base = bases.get(None) or bases.get(_budget_key(record)[1])
+    for record in group:
+        base = baseline_of(group, baseline, record)
         blocks = record.get("block_nll")
-        if base is None or record is base or record.get("policy") == "full" or not isinstance(blocks, dict):
+        if base is None or not rec.bounded(record) or not isinstance(blocks, dict):
             continue
-        base_blocks = base["block_nll"]
+        base_blocks = base.get("block_nll") or {}
         if blocks.get("size") != base_blocks.get("size") or len(blocks["mean"]) != len(base_blocks["mean"]):
             continue
         if len(blocks["mean"]) < 2:
             continue
-        diffs = [a - b for a, b in zip(blocks["mean"], base_blocks["mean"], strict=True)]
-        block_mean = sum(diffs) / len(diffs)
-        se = math.sqrt(sum((d - block_mean) ** 2 for d in diffs) / (len(diffs) - 1) / len(diffs))
+        diff = paired(blocks["mean"], base_blocks["mean"])
         exact = record.get("nll", math.nan) - base.get("nll", math.nan)
-        mean = exact if _number(exact) else block_mean
-        out[(_row_name(record), _budget_key(record)[1])] = tuple(
-            100 * (math.exp(x) - 1) for x in (mean, mean - 1.96 * se, mean + 1.96 * se)
+        centre = Estimate(exact if _number(exact) else diff.value, diff.se)
+        out[(row_name(record), budget_column(record)[1])] = tuple(
+            100 * (math.exp(x) - 1) for x in (centre.value, *centre.interval())
         )
     return out
 
 
-def _table(rows: list[str], columns: list[str], cells: dict[tuple[str, str], str]) -> list[str]:
-    lines = ["| policy | " + " | ".join(columns) + " |", "|---|" + "---:|" * len(columns)]
-    for row in rows:
-        lines.append(f"| {row} | " + " | ".join(cells.get((row, c), "") for c in columns) + " |")
-    return lines
-
-
-def _slug(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9]+", "_", text).strip("_").lower()
-
-
-def plot_group(records: list[dict[str, Any]], metric: str, title: str, path: Path, lower_is_better: bool) -> None:
-    """Quality vs budget: one line per policy (peers dashed), the full cache as a horizontal line."""
+def plot_group(found: list[dict[str, Any]], metric: str, title: str, path: Path, lower_is_better: bool) -> None:
+    """Quality vs budget: one line per setting (peers dashed), unbounded settings as horizontal lines."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -143,16 +135,16 @@ def plot_group(records: list[dict[str, Any]], metric: str, title: str, path: Pat
     fig, ax = plt.subplots(figsize=(7, 4.5))
     lines: dict[str, list[tuple[float, float]]] = defaultdict(list)
     peers: set[str] = set()
-    for record in records:
+    for record in found:
         if metric not in record["metrics"] or not _number(record["metrics"][metric]):
             continue
         budget = record.get("budget")
-        if record.get("policy") == "full":
-            ax.axhline(record["metrics"][metric], color="black", linewidth=1, label="full")
+        if not rec.bounded(record):
+            ax.axhline(record["metrics"][metric], color="black", linewidth=1, label=row_name(record))
             continue
         if not _number(budget):
             continue
-        name = _row_name(record)
+        name = row_name(record)
         lines[name].append((100 * budget, record["metrics"][metric]))
         if record.get("peer"):
             peers.add(name)
@@ -179,22 +171,29 @@ def plot_group(records: list[dict[str, Any]], metric: str, title: str, path: Pat
     plt.close(fig)
 
 
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "_", text).strip("_").lower()
+
+
+def _grid(rows: list[str], columns: list[str], cells: dict[tuple[str, str], str]) -> list[str]:
+    return markdown(["policy", *columns], [[row, *(cells.get((row, c), "") for c in columns)] for row in rows])
+
+
 def build_report(
     paths: list[str | Path], out: str | Path, *, plots: bool = True, baselines: tuple[str, ...] = ("full",)
 ) -> str:
     """Write the markdown report (and one PNG per group next to it); returns the markdown.
 
-    ``baselines``: policies that perplexity results are compared with, paired over the same tokens."""
-    records = load_records(paths)
-    if not records:
+    ``baselines``: settings that the other records are compared with, paired over the same tokens or items."""
+    found = load_records(paths)
+    if not found:
         raise ValueError(f"no result JSONs found in {', '.join(map(str, paths))}")
     out = Path(out)
-    lines = ["# Evaluation report", "", f"{len(records)} results from {', '.join(map(str, paths))}.", ""]
-    for (kind, label, model), group in sorted(group_records(records).items()):
-        group.sort(key=lambda r: (r.get("policy") != "full", bool(r.get("peer")), str(r.get("policy"))))
-        rows = list(dict.fromkeys(_row_name(r) for r in group))
-        budgets = sorted({_budget_key(r) for r in group})
-        columns = [label_ for _, label_ in budgets]
+    lines = ["# Evaluation report", "", f"{len(found)} results from {', '.join(map(str, paths))}.", ""]
+    for (kind, label, model), group in sorted(group_records(found).items()):
+        group.sort(key=order)
+        rows = list(dict.fromkeys(row_name(r) for r in group))
+        columns = [name for _, name in sorted({budget_column(r) for r in group})]
         metric_names = list(
             dict.fromkeys(
                 m for r in group for m, v in r["metrics"].items() if _number(v) and not m.endswith(SKIP_SUFFIXES)
@@ -209,32 +208,20 @@ def build_report(
         lines.append("")
         for metric in [primary] + [m for m in metric_names if m != primary]:
             cells = {
-                (_row_name(r), _budget_key(r)[1]): _cell(r["metrics"], metric) for r in group if metric in r["metrics"]
+                (row_name(r), budget_column(r)[1]): _cell(r["metrics"], metric) for r in group if metric in r["metrics"]
             }
-            if not cells:
-                continue
-            direction = " (lower is better)" if metric == primary and lower else ""
-            lines += [f"**{metric}**{direction}", "", *_table(rows, columns, cells), ""]
+            if cells:
+                direction = " (lower is better)" if metric == primary and lower else ""
+                lines += [f"**{metric}**{direction}", "", *_grid(rows, columns, cells), ""]
         peaks = {
-            (_row_name(r), _budget_key(r)[1]): str(r["cache"]["peak_kv_tokens"])
+            (row_name(r), budget_column(r)[1]): str(r["cache"]["peak_kv_tokens"])
             for r in group
             if isinstance(r.get("cache"), dict) and _number(r["cache"].get("peak_kv_tokens"))
         }
         if peaks:
-            lines += ["**peak KV entries per layer and head**", "", *_table(rows, columns, peaks), ""]
+            lines += ["**peak KV entries per layer and head**", "", *_grid(rows, columns, peaks), ""]
         for baseline in baselines:
-            paired = paired_change(group, baseline)
-            if not paired:
-                continue
-            cells = {key: f"{v:+.2f}% [{lo:+.2f}, {hi:+.2f}]" for key, (v, lo, hi) in paired.items()}
-            size = next(r["block_nll"]["size"] for r in group if isinstance(r.get("block_nll"), dict))
-            lines += [
-                f"**perplexity change vs {baseline}** (paired over the same tokens; 95% CI from {size}-token "
-                "block means)",
-                "",
-                *_table([r for r in rows if r not in ("full", baseline)], columns, cells),
-                "",
-            ]
+            lines += _paired_section(kind, group, baseline, rows, columns)
         if plots and primary:
             png = out.parent / f"{_slug(label)}_{_slug(model)}_{primary}.png"
             plot_group(group, primary, f"{label} - {model}", png, lower)
@@ -242,11 +229,107 @@ def build_report(
         commands = sorted({r["command"] for r in group if r.get("command")})
         if commands:
             lines += ["Regenerate:", "", "```", *commands, "```", ""]
+        revisions = sorted({f"{g['commit'][:12]}{' (dirty)' if g.get('dirty') else ''}" for r in group
+                            if isinstance(g := r.get("git"), dict) and g.get("commit")})  # fmt: skip
+        if revisions:
+            lines += [f"Code: {', '.join(revisions)}.", ""]
         timing = [r for r in group if _number(r.get("time_s"))]
         if timing:
-            total = sum(r["time_s"] for r in timing)
-            lines += [f"Run time: {total:.0f} s over {len(timing)} runs.", ""]
+            lines += [f"Run time: {sum(r['time_s'] for r in timing):.0f} s over {len(timing)} runs.", ""]
     text = "\n".join(lines)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
     return text
+
+
+def _paired_section(kind, group, baseline, rows, columns) -> list[str]:
+    """The paired comparison of a group with ``baseline``, in the form its kind allows (none if no baseline)."""
+    if kind == "ppl":
+        paired_ppl = paired_change(group, baseline)
+        if not paired_ppl:
+            return []
+        cells = {key: f"{v:+.2f}% [{lo:+.2f}, {hi:+.2f}]" for key, (v, lo, hi) in paired_ppl.items()}
+        size = next(r["block_nll"]["size"] for r in group if isinstance(r.get("block_nll"), dict))
+        kept = [r for r in rows if any((r, c) in cells for c in columns)]
+        return [
+            f"**perplexity change vs {baseline}** (paired over the same tokens; 95% interval from {size}-token "
+            "block means)",
+            "",
+            *_grid(kept, columns, cells),
+            "",
+        ]
+    base = next((r for r in group if r.get("policy") == baseline and not rec.bounded(r)), None)
+    if base is None or kind not in ("tasks", "xsum"):
+        return []
+    table = tasks_delta_table(group, base) if kind == "tasks" else xsum_table(group, base)
+    return [f"**paired change vs {baseline}** (item by item, mean ± standard error)", "", *table, ""]
+
+
+# -- tables of per-item results (lm-eval tasks, XSUM, needle), paired with a baseline run on the same items ---------
+
+
+def _tasks(records: list[dict[str, Any]]) -> list[str]:
+    return list(dict.fromkeys(task for r in records for task in r.get("tasks", {})))
+
+
+def tasks_table(records: list[dict[str, Any]], base: dict[str, Any]) -> list[str]:
+    """Per-task acc ± se, the mean acc, its paired change vs ``base`` (mean over tasks of item-by-item changes, ±
+    se) and the KV kept."""
+    tasks = _tasks(records)
+    rows = []
+    for record in sorted(records, key=order):
+        cells, deltas = [], []
+        for task in tasks:
+            row = record["tasks"].get(task)
+            if row is None:
+                cells.append("")
+                continue
+            cells.append(Estimate(row["acc"], row["acc_stderr"]).format(100, 1))
+            deltas.append(paired(record["items"][task]["acc"], base["items"][task]["acc"]))
+        delta = "" if record is base else average(deltas).format(100, 2, sign=True)
+        rows.append([row_name(record), *cells, f"{100 * record['metrics']['mean_acc']:.2f}", delta,
+                     f"{100 * record['kv_kept_ratio']:.1f}%"])  # fmt: skip
+    header = ["setting", *tasks, "mean acc", f"Δ mean vs {base['policy']} (paired ± se)", "KV kept"]
+    return markdown(header, rows)
+
+
+def tasks_delta_table(records: list[dict[str, Any]], base: dict[str, Any], metric: str = "acc") -> list[str]:
+    """Paired change vs ``base`` per task (points), for ``acc`` or ``acc_norm`` (tasks that have it)."""
+    tasks = [t for t in _tasks(records) if metric in base["items"].get(t, {})]
+    rows = []
+    for record in sorted(records, key=order):
+        if record is base:
+            continue
+        deltas = [paired(record["items"][t][metric], base["items"][t][metric]) for t in tasks]
+        cells = [d.format(100, 1, sign=True) for d in deltas]
+        rows.append([row_name(record), *cells, average(deltas).format(100, 2, sign=True)])
+    return markdown(["setting", *tasks, "mean"], rows)
+
+
+def xsum_table(records: list[dict[str, Any]], base: dict[str, Any]) -> list[str]:
+    """ROUGE-1/2/L ± se, ROUGE-2 as a share of ``base``'s, its paired change, the KV kept."""
+    rows = []
+    for record in sorted(records, key=order):
+        m = record["metrics"]
+        cells = [Estimate(m[k], m[k + "_stderr"]).format(100, 2) for k in ("rouge1", "rouge2", "rougeL")]
+        share = f"{m['rouge2'] / base['metrics']['rouge2']:.0%}"
+        delta = (
+            ""
+            if record is base
+            else paired(record["items"]["rouge2"], base["items"]["rouge2"]).format(100, 2, sign=True)
+        )
+        rows.append([row_name(record), *cells, share, delta, f"{100 * record['kv_kept_ratio']:.1f}%"])
+    name = base["policy"]
+    header = ["setting", "ROUGE-1", "ROUGE-2", "ROUGE-L", f"ROUGE-2 / {name}", f"Δ ROUGE-2 vs {name} (paired ± se)",
+              "KV kept"]  # fmt: skip
+    return markdown(header, rows)
+
+
+def needle_table(records: list[dict[str, Any]]) -> list[str]:
+    """Score per document length (mean over depths) and over all cells."""
+    lengths = records[0]["lengths"]
+    rows = []
+    for record in sorted(records, key=order):
+        m = record["metrics"]
+        rows.append([row_name(record), *(f"{m[f'score_{n}']:.2f}" for n in lengths), f"{m['score']:.2f}"])
+    return markdown(["setting", *(f"{n} tokens" for n in lengths), "all"], rows)

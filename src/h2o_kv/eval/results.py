@@ -1,75 +1,17 @@
-"""Result files shared by every evaluation: one JSON per run, with settings, versions and data checksums.
+"""Finishing an evaluation run: its result record (:mod:`h2o_kv.records`) and the item log that makes it resumable.
 
-Every evaluation writes ``{"kind", "policy", "heavy", "recent", "budget", "model", "metrics", "settings",
-"data", "versions", "created"}``; per-item progress goes to a JSONL file next to it so an interrupted run
-resumes without redoing finished items (:class:`ItemLog`).
+Per-item progress goes to a JSONL file next to the result JSON (:class:`ItemLog`), so an interrupted run resumes
+without redoing finished items; the log is deleted once the result is written.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
-import platform
-import time
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-
-def _find_shared_data() -> Path:
-    if os.environ.get("H2O_KV_DATA"):
-        return Path(os.environ["H2O_KV_DATA"])
-    for root in (Path(__file__).resolve().parents[3], Path.cwd()):  # the repo (editable install), or cwd
-        if (root.parent / "shared" / "data").is_dir():
-            return root.parent / "shared" / "data"
-    return Path.cwd().parent / "shared" / "data"
-
-
-SHARED_DATA = _find_shared_data()
-
-
-def data_path(relative: str) -> Path:
-    """Path of a file in the shared data folder (``$H2O_KV_DATA`` or ``../shared/data`` next to the repo)."""
-    path = SHARED_DATA / relative
-    if not path.is_file():
-        raise FileNotFoundError(f"data file {path} not found (set H2O_KV_DATA to the folder holding MANIFEST.md)")
-    return path
-
-
-def sha256(path: str | Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def versions() -> dict[str, str]:
-    found = {"python": platform.python_version(), "machine": f"{platform.machine()} {os.cpu_count()} cpus"}
-    for package in ("h2o-kv", "torch", "transformers", "lm_eval", "kvpress", "rouge-score"):
-        try:
-            found[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            pass
-    return found
-
-
-def write_result(path: str | Path, kind: str, metrics: dict[str, Any], **fields: Any) -> dict[str, Any]:
-    """Write one result JSON (atomically) and return it."""
-    record = {
-        "kind": kind,
-        **fields,
-        "metrics": metrics,
-        "versions": versions(),
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(record, indent=2) + "\n")
-    tmp.replace(path)
-    return record
+from .. import records
+from ..setting import KVSetting
 
 
 def item_log_path(json_path: str | Path) -> Path:
@@ -84,13 +26,17 @@ def finish_result(
     metrics: dict[str, Any],
     fields: dict[str, Any],
     *,
+    setting: KVSetting,
+    device: Any,
     keep_item_log: bool = False,
 ) -> dict[str, Any]:
-    """The record of a finished run: written to ``json_path`` (:func:`write_result`), after which the run's item
-    log is deleted unless ``keep_item_log``; without a path, returned unwritten (no ``created`` stamp)."""
+    """The record of a finished run under ``setting`` on ``device``: written to ``json_path`` (then the run's item log
+    is deleted unless ``keep_item_log``), or only returned when there is no path."""
+    fields = {**setting.fields(), **fields, "metrics": metrics}
+    options = dict(device=device, h2o_cache=setting.uses_h2o_cache)
     if json_path is None:
-        return {"kind": kind, **fields, "metrics": metrics, "versions": versions()}
-    record = write_result(json_path, kind, metrics, **fields)
+        return records.record(kind, fields, **options)
+    record = records.write(json_path, kind, fields, **options)
     if not keep_item_log:
         item_log_path(json_path).unlink(missing_ok=True)
     return record

@@ -19,15 +19,14 @@ from __future__ import annotations
 
 import json
 import math
-import shlex
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import typer
 
-from .results import data_path, sha256
+from ..data import data_path, sha256, strip_gutenberg
+from ..records import bounded
 
 BOOKS = ("pg19/pg10146_reminiscences_of_pioneer_days_in_st_paul.txt", "pg19/pg10321_dragons_blood.txt")
 WIKITEXT = "wikitext2/wiki.test.raw.crlf_noblank.txt"
@@ -42,8 +41,6 @@ def build_stream(tokenizer, part_tokens: int, cache_dir: Path) -> tuple[Path, di
     Each source contributes its first ``part_tokens`` tokens (decoded back to text), joined by a blank line.
     Returns the path and ``{"sources": [...], "boundaries": [token offsets where a new source starts]}``.
     """
-    from .ppl import strip_gutenberg
-
     parts, sources = [], []
     for relative in (*BOOKS, WIKITEXT):
         path = data_path(relative)
@@ -84,13 +81,12 @@ def run_one(model, tokenizer, text: Path, label, policy, size, streaming, tokens
     """One perplexity run with a KV-memory trace; writes ``out/<label>.json`` and returns the record."""
     from rich.progress import Progress
 
+    from ..setting import KVSetting
     from .ppl import PPLJob, run_ppl
 
     half = None if size is None else size // 2
-    job = PPLJob.create(
-        text, tokens, policy, heavy=half, recent=None if size is None else size - half,
-        streaming=streaming, window=window, chunk=chunk,
-    )  # fmt: skip
+    setting = KVSetting.of(policy, heavy=half, recent=None if size is None else size - half)
+    job = PPLJob.create(text, tokens, setting, streaming=streaming, window=window, chunk=chunk)
     made: dict[str, Any] = {}
     make_cache = job.make_cache
 
@@ -111,8 +107,7 @@ def run_one(model, tokenizer, text: Path, label, policy, size, streaming, tokens
 
         return run_ppl(
             job, model, tokenizer, out / f"{label}.json", progress=progress,
-            extra={"run": label, "streaming": streaming, "size": size, "memory": trace, "stream": meta,
-                   "command": shlex.join(["python", "-m", "h2o_kv.eval.streaming_plot", *sys.argv[1:]])},
+            extra={"run": label, "streaming": streaming, "size": size, "memory": trace, "stream": meta},
         )  # fmt: skip
 
 
@@ -138,16 +133,15 @@ def run(
         policy_list = [p.strip() for p in policies.split(",") if p.strip()]
         if not size_list or min(size_list) < 2:
             raise ValueError(f"--sizes must be integers >= 2, got {sizes!r}")
-        if "full" in policy_list:
-            raise ValueError("--policies are streaming policies; the full cache is --full")
+        from ..setting import KVSetting
+
+        for policy in policy_list:
+            if not KVSetting.of(policy, heavy=1, recent=1, option="--policies").bounded:
+                raise ValueError("--policies are streaming (bounded) policies; the full cache is --full")
         if tokens < 2 or part_tokens < 1 or window < 1 or chunk < 1:
             raise ValueError("--tokens must be >= 2 and --part-tokens, --window, --chunk >= 1")
         if tokens > 3 * part_tokens:
             raise ValueError(f"--tokens {tokens} is more than the stream (3 x --part-tokens = {3 * part_tokens})")
-        from ..policies import make_policy
-
-        for policy in policy_list:
-            make_policy(policy, 1, 1)
     except ValueError as err:
         typer.secho(f"Error: {err}", err=True, fg="red")
         raise typer.Exit(2) from err
@@ -188,13 +182,13 @@ def plot_results(records: list[dict[str, Any]], path: Path, context: int | None 
 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7.5), sharex=True, height_ratios=(3, 2))
     sizes = sorted({r["size"] for r in records if r["size"]})
-    for r in sorted(records, key=lambda r: (r["policy"] != "full", r["size"] or 0, r["policy"], not r["streaming"])):
+    for r in sorted(records, key=lambda r: (bounded(r), r["size"] or 0, r["policy"], not r["streaming"])):
         color, _ = STYLE.get(r["policy"], ("tab:gray", "-"))
-        style = "-" if r["streaming"] or r["policy"] == "full" else ":"
-        width = 1.0 if r["size"] and r["size"] == min(sizes) and r["policy"] != "full" else 2.0
+        style = "-" if r["streaming"] or not bounded(r) else ":"
+        width = 1.0 if r["size"] and r["size"] == min(sizes) and bounded(r) else 2.0
         label = (
-            "full cache"
-            if r["policy"] == "full"
+            f"{r['policy']} cache"
+            if not bounded(r)
             else f"{r['policy']} {r['size']}" + (" streaming" if r["streaming"] else " (no streaming)")
         )
         windows = r["windows"]
@@ -243,7 +237,7 @@ def summary_table(records: list[dict[str, Any]]) -> str:
         total = sum(w["nll"] * (w["end"] - w["start"]) for w in inside)
         return f"{math.exp(total / count):.2f}" if count else "-"
 
-    for r in sorted(records, key=lambda r: (r["policy"] == "full", not r["streaming"], r["size"] or 0, r["policy"])):
+    for r in sorted(records, key=lambda r: (not bounded(r), not r["streaming"], r["size"] or 0, r["policy"])):
         cells = " | ".join(segment_ppl(r["windows"], a, b) for a, b in zip(edges, edges[1:], strict=False))
         end_mib = r["memory"][-1]["kv_bytes"] / 2**20
         rows.append(

@@ -6,9 +6,9 @@ the above article in 1 sentence.\\n"``), the reference ``summary_gt`` and the ge
 (64) and ``stop`` (``["###"]``). Decoding is greedy (the file's ``temperature`` is not used, so runs are
 deterministic and policies are compared on identical decoding rules).
 
-The prompt is the article; its cache is compressed to the budget after the prefill (``heavy = recent =
-floor(budget * L / 2)`` of the ``L`` prompt tokens) and every generated token then evicts one entry, as
-``model.generate`` with an :class:`~h2o_kv.H2OCache` would. By default the prompt is wrapped in the model's chat
+The prompt is the article; its cache is compressed to the budget after the prefill (:meth:`~h2o_kv.Budget.entries`
+of the ``L`` prompt tokens) and every generated token then evicts one entry, as ``model.generate`` with an
+:class:`~h2o_kv.H2OCache` would (:mod:`h2o_kv.eval.runner`). By default the prompt is wrapped in the model's chat
 template (a 135M instruct model summarizes far better that way); ``raw_prompt=True`` feeds the file's text as is.
 ROUGE uses Porter stemming, as HELM does. Finished items go to an item log, so an interrupted run resumes.
 """
@@ -16,16 +16,19 @@ ROUGE uses Porter stemming, as HELM does. Finished items go to an item log, so a
 from __future__ import annotations
 
 import json
-import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..data import data_path, sha256
+from ..setting import KVSetting
+from ..tables import mean
+from .options import check_options, option_int, option_path
 from .prompts import chat_prompt_ids, generate_text, has_chat_template
-from .results import ItemLog, data_path, finish_result, item_log_path, sha256
-from .tasks import KVRunner, KVSpec
+from .results import ItemLog, finish_result, item_log_path
+from .runner import KVRunner
 
 XSUM_FILE = "xsum/xsum_0shot.jsonl"
 ROUGE_TYPES = ("rouge1", "rouge2", "rougeL")
@@ -63,7 +66,7 @@ def read_xsum(path: str | Path | None = None) -> list[dict[str, Any]]:
 class XsumJob:
     """A validated XSUM run (see :meth:`create`)."""
 
-    spec: KVSpec
+    setting: KVSetting
     limit: int | None
     raw_prompt: bool
     path: Path
@@ -71,13 +74,13 @@ class XsumJob:
 
     @classmethod
     def create(
-        cls, spec: KVSpec, *, limit: int | None = None, raw_prompt: bool = False, path: str | Path | None = None
+        cls, setting: KVSetting, *, limit: int | None = None, raw_prompt: bool = False, path: str | Path | None = None
     ) -> XsumJob:
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
             raise ValueError(f"--limit must be an integer >= 1, got {limit!r}")
         path = data_path(XSUM_FILE) if path is None else Path(path)
         items = read_xsum(path)
-        return cls(spec, limit, raw_prompt, path, items[:limit] if limit else items)
+        return cls(setting, limit, raw_prompt, path, items[:limit] if limit else items)
 
     @property
     def label(self) -> str:
@@ -105,13 +108,6 @@ def summarize(runner: KVRunner, tokenizer, ids: list[int], max_tokens: int, stop
     return text.strip(), session
 
 
-def _mean_stderr(values: list[float]) -> tuple[float, float]:
-    mean = sum(values) / len(values)
-    if len(values) < 2:
-        return mean, 0.0
-    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1) / len(values))
-
-
 def run_xsum(
     job: XsumJob,
     model,
@@ -119,15 +115,14 @@ def run_xsum(
     json_path: str | Path | None = None,
     *,
     model_name: str,
-    extra: dict[str, Any] | None = None,
     progress: Callable[[int], None] | None = None,
     keep_item_log: bool = False,
 ) -> dict[str, Any]:
     """Summarize every item, score it, write the result JSON (``rouge1/2/L`` means with ``_stderr``)."""
-    runner = KVRunner(model, job.spec)
+    runner = KVRunner(model, job.setting)
     log = None
     if json_path is not None:
-        settings = {"model": model_name, **asdict(job.spec), "raw_prompt": job.raw_prompt, "data": sha256(job.path)}
+        settings = {"model": model_name, **job.setting.fields(), "raw_prompt": job.raw_prompt, "data": sha256(job.path)}
         log = ItemLog(item_log_path(json_path), settings)
     start = time.time()
     rows = []
@@ -152,11 +147,10 @@ def run_xsum(
             progress(1)
     metrics: dict[str, Any] = {}
     for name in ROUGE_TYPES:
-        mean, stderr = _mean_stderr([row[name] for row in rows])
-        metrics[name], metrics[f"{name}_stderr"] = mean, stderr
+        estimate = mean([row[name] for row in rows])
+        metrics[name], metrics[f"{name}_stderr"] = estimate.value, estimate.se
     kept = sum(row["kept"] / row["prompt_tokens"] for row in rows) / len(rows)
     fields = {
-        **job.spec.fields(),
         "label": job.label,
         "model": model_name,
         "primary_metric": "rouge2",
@@ -174,40 +168,26 @@ def run_xsum(
         "items": {name: [row[name] for row in rows] for name in ROUGE_TYPES},
         "predictions": [row["prediction"] for row in rows],
         "time_s": round(time.time() - start, 1),
-        **(extra or {}),
     }
-    return finish_result(json_path, "xsum", metrics, fields, keep_item_log=keep_item_log)
+    return finish_result(
+        json_path, "xsum", metrics, fields, setting=job.setting, device=model.device, keep_item_log=keep_item_log
+    )
 
 
-# -- `h2o-kv eval sweep --kind xsum` ----------------------------------------------------------------------------
+# -- `h2o-kv eval sweep --kind xsum` (registered in h2o_kv.eval.kinds) ----------------------------------------
 
 
-def _sweep_prepare(options: dict[str, Any], models) -> dict[str, Any]:
-    from .tasks import check_options, option_int
-
+def sweep_prepare(options: dict[str, Any], models) -> dict[str, Any]:
     check_options("xsum", options, {"limit", "raw_prompt", "data"})
     settings = {
         "limit": option_int(options, "limit"),
         "raw_prompt": bool(options.get("raw_prompt", False)),
-        "path": None if options.get("data") in (None, True) else options["data"],
+        "path": option_path(options, "data"),
     }
-    XsumJob.create(KVSpec("full"), **settings)
+    XsumJob.create(KVSetting("dynamic"), **settings)  # reads and checks the file before any cell runs
     return settings
 
 
-def _sweep_run(settings, policy, budget, path, models, progress):
-    from .tasks import cell_spec
-
-    job = XsumJob.create(cell_spec(policy, budget), **settings)
+def sweep_run(settings, setting: KVSetting, path: Path, models, progress) -> dict[str, Any]:
+    job = XsumJob.create(setting, **settings)
     return run_xsum(job, models.model(), models.tokenizer(), path, model_name=models.label, progress=progress)
-
-
-def _register_sweep_kind() -> None:
-    from .sweep import SweepKind, register_kind
-    from .tasks import cell_spec
-
-    check = lambda settings, policy, budget: cell_spec(policy, budget)  # noqa: E731
-    register_kind(SweepKind("xsum", _sweep_prepare, _sweep_run, check, "XSUM ROUGE (h2o-kv eval xsum)"))
-
-
-_register_sweep_kind()

@@ -1,0 +1,80 @@
+"""The ``h2o-kv eval`` options, declared once: typer options shared by the commands, the KV setting they describe,
+and the parsing of a sweep kind's own options (strings as typed after ``h2o-kv eval sweep --kind K``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from ..policies import POLICIES
+from ..setting import DYNAMIC, PRESS_PREFIX, KVSetting
+
+MODEL = typer.Option(None, "--model", help="Model name or local directory (default: the embedded default model).")
+DTYPE = typer.Option(None, "--dtype", help="float32 (CPU default), bfloat16, float16.")
+DEVICE = typer.Option(None, "--device", help="cpu, cuda, cuda:N, mps (default: CUDA when available).")
+POLICY = typer.Option(
+    None,
+    "--policy",
+    help=f"KV setting: {DYNAMIC} (the stock DynamicCache: the model as shipped), full (H2OCache without eviction) "
+    f"or an h2o-kv policy ({', '.join(p for p in POLICIES if p != 'full')}); default h2o.",
+)
+BUDGET = typer.Option(
+    None, "--budget", help="Ratio in (0, 1] of the prompt length L: heavy = recent = max(1, floor(B * L / 2))."
+)
+HEAVY = typer.Option(None, "--heavy", help="Heavy-hitter entries kept (with --recent), instead of --budget.")
+RECENT = typer.Option(None, "--recent", help="Recent entries kept (with --heavy).")
+PEER = typer.Option(
+    None,
+    "--peer",
+    help="Run a kvpress press instead of a policy: observed_attention, snapkv, tova, streaming_llm, knorm.",
+)
+JSON = typer.Option(None, "--json", help="Write the result JSON here (resumable).")
+
+
+def kv_setting(
+    policy: str | None = None,
+    budget: float | None = None,
+    heavy: int | None = None,
+    recent: int | None = None,
+    peer: str | None = None,
+) -> KVSetting:
+    """The KV setting of the command-line options: ``--policy`` (default ``h2o``) or ``--peer PRESS``."""
+    if peer is not None:
+        from ..peers import check_press
+
+        if policy is not None:
+            raise ValueError(f"--peer {peer} replaces --policy; give one of them (got --policy {policy})")
+        name = PRESS_PREFIX + check_press(peer)
+    else:
+        name = "h2o" if policy is None else policy
+    return KVSetting.of(name, budget=budget, heavy=heavy, recent=recent, option="--policy")
+
+
+def option_int(options: dict[str, Any], name: str, default: int | None = None) -> int | None:
+    """A sweep kind's integer option (typed as a string), or ``default``."""
+    value = options.get(name, default)
+    if value is None or (isinstance(value, int) and not isinstance(value, bool)):
+        return value
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"--{name.replace('_', '-')} must be an integer, got {value!r}") from None
+
+
+def option_path(options: dict[str, Any], name: str) -> Path | None:
+    """A sweep kind's file option, or ``None`` when absent (a bare ``--name`` flag is an error)."""
+    value = options.get(name)
+    if value is True:
+        raise ValueError(f"--{name.replace('_', '-')} needs a value")
+    return None if value is None else Path(value)
+
+
+def check_options(kind: str, options: dict[str, Any], allowed: set[str]) -> None:
+    """Raise ``ValueError`` naming any option the sweep kind does not take."""
+    unknown = sorted(set(options) - allowed)
+    if unknown:
+        names = ", ".join("--" + u.replace("_", "-") for u in unknown)
+        takes = ", ".join("--" + a.replace("_", "-") for a in sorted(allowed))
+        raise ValueError(f"--kind {kind} does not take {names}; it takes {takes}")

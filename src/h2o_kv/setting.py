@@ -1,0 +1,136 @@
+"""One KV setting: which cache a run uses, shared by the evaluations, the bench and the kvpress peer.
+
+A setting is one of, named distinctly in every result:
+
+* ``dynamic`` - transformers' stock ``DynamicCache``: the model as shipped.
+* an h2o-kv policy at a :class:`~h2o_kv.Budget` - ``H2OCache(policy=name)``. ``full`` is the same frame without
+  eviction (h2o-kv's attention function and slot storage, nothing ever evicted): a *different* baseline from
+  ``dynamic``, numerically equal to it up to float rounding but with h2o-kv's speed and memory.
+* ``kvpress:<press>`` - an NVIDIA kvpress press (:mod:`h2o_kv.peers`) compressing a ``DynamicCache`` once, after
+  the prefill, to the entry count the same budget gives.
+
+Whether a setting evicts comes from the policy object (:attr:`Policy.bounded`), never from its name; a bounded
+setting needs a budget, an unbounded one takes none. Entry counts come from :meth:`Budget.entries` only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .budget import Budget
+from .policies import POLICIES, make_policy
+
+DYNAMIC = "dynamic"
+PRESS_PREFIX = "kvpress:"
+
+
+def setting_names() -> list[str]:
+    """Every valid setting name: ``dynamic``, the registered policies, ``kvpress:<press>``."""
+    from .peers import PRESSES
+
+    return [DYNAMIC, *POLICIES, *(PRESS_PREFIX + press for press in PRESSES)]
+
+
+def check_name(name: str, option: str = "setting") -> str:
+    """Raise ``ValueError`` (naming ``option``) unless ``name`` is a setting name; returns it."""
+    if name not in setting_names():
+        raise ValueError(f"{option} must be one of {', '.join(setting_names())}; got {name!r}")
+    return name
+
+
+def is_bounded(name: str) -> bool:
+    """Whether setting ``name`` evicts anything: the policy object's :attr:`~h2o_kv.Policy.bounded`; a press always;
+    ``dynamic`` never."""
+    if check_name(name).startswith(PRESS_PREFIX):
+        return True
+    return name in POLICIES and make_policy(name, 0, 0).bounded
+
+
+@dataclass(frozen=True)
+class KVSetting:
+    """A named cache and, when it evicts, its budget. Build it with :meth:`of` (user options)."""
+
+    name: str
+    budget: Budget | None = None
+
+    def __post_init__(self):
+        check_name(self.name)
+        if self.bounded and self.budget is None:
+            raise ValueError(f"{self.name} evicts: give budget (a ratio in (0, 1] of the prompt) or heavy and recent")
+        if not self.bounded and self.budget is not None:
+            raise ValueError(f"{self.name} keeps every entry: give no budget, heavy or recent")
+
+    @classmethod
+    def of(
+        cls,
+        name: str,
+        *,
+        budget: float | None = None,
+        heavy: int | None = None,
+        recent: int | None = None,
+        option: str = "setting",
+    ) -> KVSetting:
+        """The setting ``name`` with the budget of the user options (none for an unbounded setting); errors name
+        ``option`` (e.g. ``--policy``) for a bad name."""
+        check_name(name, option)
+        given = budget is not None or heavy is not None or recent is not None
+        return cls(name, Budget.of(budget, heavy, recent) if given else None)
+
+    @property
+    def press(self) -> str | None:
+        """The kvpress press name of a ``kvpress:<press>`` setting."""
+        return self.name[len(PRESS_PREFIX) :] if self.name.startswith(PRESS_PREFIX) else None
+
+    @property
+    def uses_h2o_cache(self) -> bool:
+        """Whether the setting runs an :class:`~h2o_kv.H2OCache` (else a stock ``DynamicCache``)."""
+        return self.name in POLICIES
+
+    @property
+    def bounded(self) -> bool:
+        return is_bounded(self.name)
+
+    def entries(self, prompt_length: int) -> int:
+        """KV entries per layer and KV head kept after a ``prompt_length``-token prompt (all of it if unbounded)."""
+        return self.budget.entries(prompt_length) if self.bounded else prompt_length
+
+    def make_cache(self, *, prompt_length: int | None = None, stepwise: bool = False, config=None, **options):
+        """A fresh cache: ``DynamicCache`` (``dynamic``, presses; laid out for the model ``config`` when given) or
+        ``H2OCache`` with this budget, a ratio budget resolved against ``prompt_length`` when given (else against the
+        first forward, H2OCache's own rule); ``options`` go to ``H2OCache`` (``streaming``, policy options, ...)."""
+        if not self.uses_h2o_cache:
+            from transformers import DynamicCache
+
+            return DynamicCache() if config is None else DynamicCache(config=config)
+        from .hf.cache import H2OCache
+
+        budget = self.budget
+        if budget is None:
+            return H2OCache(policy=self.name, stepwise=stepwise, **options)
+        if budget.is_ratio and prompt_length is None:
+            return H2OCache(budget=budget.ratio, policy=self.name, stepwise=stepwise, **options)
+        heavy, recent = budget.split(prompt_length or 0)
+        return H2OCache(heavy, recent, policy=self.name, stepwise=stepwise, **options)
+
+    def fields(self) -> dict[str, Any]:
+        """The result-record fields of this setting (``budget`` 1.0 and no counts when nothing is evicted)."""
+        budget = self.budget
+        return {
+            "policy": self.name,
+            "bounded": self.bounded,
+            "budget": budget.ratio if budget is not None else 1.0,
+            "heavy": None if budget is None else budget.heavy,
+            "recent": None if budget is None else budget.recent,
+            "peer": self.press is not None,
+        }
+
+    def describe(self) -> str:
+        return self.name if self.budget is None else f"{self.name} ({self.budget.describe()})"
+
+
+def held_entries(cache) -> int:
+    """The most KV entries any layer, sequence and KV head of ``cache`` holds (``H2OCache`` or ``DynamicCache``)."""
+    if hasattr(cache, "kept_entries"):
+        return cache.kept_entries()
+    return cache.get_seq_length()
