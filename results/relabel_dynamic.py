@@ -82,7 +82,8 @@ def sweeps() -> None:
         manifest = {
             "schema": 1, "kind": "sweep", "evaluation": data["kind"], "model": data["model"],
             "options": data["options"], "settings": data["policies"], "budgets": data["budgets"],
-            "migrated": "the legacy sweep.json (the last sweep into this folder), renamed by results/relabel_dynamic.py",
+            "migrated": "the legacy sweep.json (the last sweep into this folder), renamed by "
+            "results/relabel_dynamic.py",
         }  # fmt: skip
         target = path.with_name("sweep-legacy.json")
         subprocess.run(["git", "mv", str(path), str(target)], check=True)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import json
 
 import pytest
 import torch
@@ -14,8 +13,14 @@ from h2o_kv.bench import harness, memory, report, runner, workload
 from h2o_kv.bench.cli import app
 from h2o_kv.bench.harness import BenchConfig
 from h2o_kv.hf.compat import cache_kwargs
+from h2o_kv.setting import is_bounded
 
 SMALL = dict(context=64, batch=2, new_tokens=5)
+
+
+def config(policy: str, **options) -> BenchConfig:
+    """A small configuration; evicting settings get the paper's 20% budget."""
+    return BenchConfig(policy=policy, budget=0.2 if is_bounded(policy) else None, **{**SMALL, **options})
 
 
 @pytest.fixture(scope="module")
@@ -35,17 +40,20 @@ def test_prompts_are_real_text_distinct_and_deterministic(tiny):
         workload.make_prompts(tiny.tokenizer, 1, 0)
 
 
-@pytest.mark.parametrize("policy", ["full", "h2o", "sink"])
+@pytest.mark.parametrize("policy", ["dynamic", "full", "h2o", "sink"])
 def test_greedy_loop_equals_model_generate(tiny, policy):
     """The harness' decode loop produces exactly the tokens of ``model.generate`` with the same cache."""
-    cfg = BenchConfig(policy=policy, **SMALL)
+    cfg = config(policy)
     prompts = workload.make_prompts(tiny.tokenizer, cfg.batch, cfg.context)
     run = harness._Run(tiny, cfg, cfg.context)
     cache, first = harness._prefill(run, prompts)
     tokens, times = harness.greedy_decode(tiny.model, cache, first, cfg.context, cfg.new_tokens - 1, tiny.device)
     assert len(times) == cfg.new_tokens - 1
-    reference_cache = DynamicCache() if policy == "full" else H2OCache(budget=cfg.budget, policy=policy)
-    tiny.model.set_attn_implementation("sdpa" if policy == "full" else "h2o")
+    if policy == "dynamic":
+        reference_cache = DynamicCache()
+    else:
+        reference_cache = H2OCache(policy=policy) if policy == "full" else H2OCache(budget=cfg.budget, policy=policy)
+    tiny.model.set_attn_implementation("sdpa" if policy == "dynamic" else "h2o")
     expected = tiny.model.generate(
         prompts, attention_mask=torch.ones_like(prompts), **cache_kwargs(reference_cache), do_sample=False,
         max_new_tokens=cfg.new_tokens, min_new_tokens=cfg.new_tokens, pad_token_id=0,
@@ -54,15 +62,15 @@ def test_greedy_loop_equals_model_generate(tiny, policy):
 
 
 def test_measure_reports_consistent_numbers(tiny):
-    full = harness.measure(tiny, BenchConfig(policy="full", **SMALL))
-    h2o = harness.measure(tiny, BenchConfig(policy="h2o", **SMALL))
+    full = harness.measure(tiny, config("dynamic"))
+    h2o = harness.measure(tiny, config("h2o"))
     for r in (full, h2o):
         assert r["decode_steps"] == 4 and r["generated_tokens"] == 10
         assert r["e2e_tok_s"] == pytest.approx(10 / (r["prefill_s"] + r["decode_s"]))
         assert r["step_ms_p50"] <= r["step_ms_p99"]
         assert r["prefill_peak_bytes"] >= r["prefill_peak_increase_bytes"] >= 0
         assert r["seq_length_end"] == 64 + 4
-    assert full["kv_tokens_per_layer_head_end"] == 68
+    assert full["kv_tokens_per_layer_head_end"] == 68 and full["kept_after_prefill"] is None
     kept = 2 * int(0.2 * 64 / 2)
     assert h2o["kept_after_prefill"] == kept and h2o["kv_tokens_per_layer_head_end"] == kept
     # the bounded cache holds kept + 1 slots of the 68 a full cache holds (plus slot bookkeeping)
@@ -71,7 +79,7 @@ def test_measure_reports_consistent_numbers(tiny):
 
 
 def test_replicated_prefill_decodes_the_full_batch(tiny):
-    r = harness.measure(tiny, BenchConfig(policy="h2o", context=64, batch=4, new_tokens=3, prefill_batch=2))
+    r = harness.measure(tiny, config("h2o", batch=4, new_tokens=3, prefill_batch=2))
     assert r["prefill_rows"] == 2 and r["e2e_tok_s"] is None
     assert r["cache_bytes_end"] == 2 * r["cache_bytes_after_prefill"]
 
@@ -85,21 +93,28 @@ def test_peak_memory_sees_an_allocation():
 
 def test_parse_sizes_and_limits():
     assert memory.parse_bytes("377MB") == 377 * 10**6 and memory.parse_bytes("1.5GiB") == int(1.5 * 2**30)
-    assert runner.parse_limit("full@4") == ("full", 4)
-    for bad in ("lots", "-5MB", "full@0", "full@x"):
+    assert runner.parse_limit("dynamic@4") == ("dynamic", 4) and runner.parse_limit("full@2") == ("full", 2)
+    assert runner.parse_limit("1kB") == (None, 1000)
+    for bad in ("lots", "-5MB", "dynamic@0", "dynamic@x", "h2o@4", "nope@4"):
         with pytest.raises(ValueError, match="memory-limit"):
             runner.parse_limit(bad)
 
 
 def test_config_validation():
-    with pytest.raises(ValueError, match="policy must be one of"):
+    with pytest.raises(ValueError, match="policy must be one of dynamic"):
         BenchConfig(policy="nope", **SMALL)
+    with pytest.raises(ValueError, match="h2o evicts: give budget"):
+        BenchConfig(policy="h2o", **SMALL)
+    with pytest.raises(ValueError, match="dynamic keeps every entry"):
+        BenchConfig(policy="dynamic", budget=0.2, **SMALL)
+    assert config("dynamic").key == "dynamic|L=64|B=2|new=5" and config("full").key == "full|L=64|B=2|new=5"
+    assert config("h2o").key == "h2o|L=64|B=2|new=5|b=0.2|h=None|r=None"
     with pytest.raises(ValueError, match="context"):
-        BenchConfig(policy="h2o", context=0, batch=1, new_tokens=4)
+        config("h2o", context=0)
     with pytest.raises(ValueError, match="new_tokens"):
-        BenchConfig(policy="h2o", context=8, batch=1, new_tokens=1)
+        config("h2o", new_tokens=1)
     with pytest.raises(ValueError, match="prefill_batch"):
-        BenchConfig(policy="h2o", context=8, batch=3, new_tokens=4, prefill_batch=2)
+        config("h2o", batch=3, prefill_batch=2)
 
 
 def test_grid_alternates_resumes_and_fits_a_memory_limit(tiny, tmp_path):
@@ -112,25 +127,29 @@ def test_grid_alternates_resumes_and_fits_a_memory_limit(tiny, tmp_path):
         calls.append(cfg.key)
         return inner(cfg)
 
-    grid = [BenchConfig(policy=p, **SMALL) for p in ("full", "h2o")]
-    store = runner.ResultStore(tmp_path / "r.json", {"command": "test"})
+    grid = [config(p) for p in ("dynamic", "h2o")]
+    store = runner.ResultStore(tmp_path / "r.json", {"command": "first"})
     runner.run_measurements(grid, store, runner.RunSettings(repeats=2), executor)
     assert calls == [grid[0].key, grid[1].key, grid[1].key, grid[0].key]  # alternating, reversed on repeat 1
-    resumed = runner.ResultStore(tmp_path / "r.json", {"command": "test"})
+    resumed = runner.ResultStore(tmp_path / "r.json", {"command": "second"})
     runner.run_measurements(grid, resumed, runner.RunSettings(repeats=2), executor)
     assert len(calls) == 4 and len(resumed.records) == 4
 
-    fitted = runner.fit_runs(grid, "full@2", resumed, runner.RunSettings(), executor)
+    fitted = runner.fit_runs(grid, "dynamic@2", resumed, runner.RunSettings(), executor)
     (fit,) = fitted
     assert fit["config"]["tag"] == "fit" and fit["fits"]
     assert fit["fit_batch"] > 2  # a cache of 13 of 68 entries fits several times the batch
     assert fit["cache_bytes_peak"] <= fit["memory_limit_bytes"]
 
-    rows = report.summarise(json.loads((tmp_path / "r.json").read_text())["records"])
+    saved = report.load(tmp_path / "r.json")
+    assert [run["command"] for run in saved["runs"]] == ["first", "second"]  # every invocation, in order
+    assert {r["run"] for r in saved["records"]} == {0, 1} and saved["records"][-1]["run"] == 1
+    rows = report.summarise(saved["records"])
     by_key = {r["key"]: r for r in rows}
     assert by_key[grid[0].key]["repeats"] == 2
-    assert by_key[grid[1].key]["kv_ratio"] < 0.25 and by_key[fit["key"]]["vs_full"] == grid[0].key
-    assert "| h2o (fit) |" in report.markdown_table(rows)
+    assert by_key[grid[1].key]["kv_ratio"] < 0.25 and by_key[fit["key"]]["vs"] == grid[0].key
+    table = report.markdown_table(rows)
+    assert "| h2o (fit) |" in table and "median over its repeats" in table and "decode tok/s (mean)" in table
     model = report.bytes_model(rows)
     assert model and model[0]["ratio_stock"] > model[0]["ratio_ideal"] > 1
     assert report.plot(rows, tmp_path / "p.png").stat().st_size > 0
@@ -138,7 +157,7 @@ def test_grid_alternates_resumes_and_fits_a_memory_limit(tiny, tmp_path):
 
 def test_worker_process_measures_one_configuration():
     executor = runner.Executor(runner.RunSettings(model="random:tiny", device="cpu", isolate="process"))
-    result = executor(BenchConfig(policy="local", context=32, batch=1, new_tokens=3))
+    result = executor(config("local", context=32, batch=1, new_tokens=3))
     assert result["isolated_process"] and result["random_init"] and result["model"] == "random:tiny"
     assert result["memory_method"] in ("rss_hwm", "rss_sampled_1ms") and result["decode_steps"] == 2
 
@@ -146,7 +165,7 @@ def test_worker_process_measures_one_configuration():
 def test_profile_split_adds_up(tiny):
     from h2o_kv.bench.profile import profile_decode
 
-    cfg = BenchConfig(policy="h2o", context=48, batch=2, new_tokens=16, budget=None, heavy=8, recent=8)
+    cfg = BenchConfig(policy="h2o", context=48, batch=2, new_tokens=16, heavy=8, recent=8)
     out = profile_decode(tiny, cfg, steps=4, warmup_steps=1)
     assert sum(out["split_ms"].values()) == pytest.approx(out["step_ms"])
     assert 0 < out["bookkeeping_percent"] < 100 and "aten::" in out["profiler_table"]
@@ -154,7 +173,7 @@ def test_profile_split_adds_up(tiny):
 
 @pytest.mark.skipif(importlib.util.find_spec("kvpress") is None, reason="kvpress not installed (optional peer)")
 def test_kvpress_keeps_the_same_number_of_entries(tiny):
-    r = harness.measure(tiny, BenchConfig(policy="kvpress:snapkv", context=100, batch=1, new_tokens=3))
+    r = harness.measure(tiny, config("kvpress:snapkv", context=100, batch=1, new_tokens=3))
     assert r["kv_tokens_per_layer_head_end"] == 2 * int(0.2 * 100 / 2) + 2  # kept + 2 decoded entries
 
 
@@ -165,9 +184,9 @@ def test_cli_rejects_bad_input_before_work(tmp_path):
     out = ["--out", str(tmp_path / "x.json")]
     result = cli.invoke(app, ["run", "--contexts", "0", *out])
     assert result.exit_code != 0 and "--contexts" in result.output
-    result = cli.invoke(app, ["run", "--policies", "full,bogus", *out])
-    assert result.exit_code != 0 and "policy must be one of" in result.output
-    result = cli.invoke(app, ["run", "--memory-limit", "full@0", *out])
+    result = cli.invoke(app, ["run", "--policies", "dynamic,bogus", *out])
+    assert result.exit_code != 0 and "--policies must be one of" in result.output
+    result = cli.invoke(app, ["run", "--memory-limit", "dynamic@0", *out])
     assert result.exit_code != 0 and "memory-limit" in result.output
     result = cli.invoke(app, ["run", "--fit-only", *out])
     assert result.exit_code != 0 and "--fit-only needs --memory-limit" in result.output
@@ -175,4 +194,6 @@ def test_cli_rejects_bad_input_before_work(tmp_path):
     assert result.exit_code != 0 and "positions" in result.output
     result = cli.invoke(app, ["run", "--model", "random:nope", *out])
     assert result.exit_code != 0 and "shape must be one of" in result.output
+    result = cli.invoke(app, ["run", "--model", "random:tiny"])  # never into the repository by default
+    assert result.exit_code != 0 and "--out" in result.output
     assert not (tmp_path / "x.json").exists()

@@ -119,7 +119,7 @@ def test_report_with_peers_stderr_and_ci(tmp_path):
     assert "| policy | 10% | 20% | 100% |" in text
     assert "| h2o | 0.700 ± 0.010 | 0.780 ± 0.010 |  |" in text
     assert "| h2o | 0.600 [0.550, 0.650] | 0.680 [0.630, 0.730] |  |" in text  # acc_norm with its CI
-    assert "| kvpress:snapkv (peer) |  | 0.750 |  |" in text
+    assert "| kvpress:snapkv |  | 0.750 |  |" in text
     assert (tmp_path / "out" / "toy_task_m_acc.png").stat().st_size > 10_000
     assert "perplexity change" not in text
 

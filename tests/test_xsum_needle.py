@@ -6,16 +6,17 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import needs_data
 from typer.testing import CliRunner
 
-from h2o_kv.eval import results
-from h2o_kv.eval.needle import KEYWORDS, NEEDLE, NeedleJob, plot_heatmaps, run_needle, score_answer
-from h2o_kv.eval.tasks import KVRunner, KVSpec, item_log_path
+from h2o_kv.eval.needle import HAYSTACK_DIR, KEYWORDS, NEEDLE, NeedleJob, plot_heatmaps, run_needle, score_answer
+from h2o_kv.eval.results import item_log_path
+from h2o_kv.eval.runner import KVRunner
 from h2o_kv.eval.xsum import XSUM_FILE, XsumJob, read_xsum, rouge_scores, run_xsum
+from h2o_kv.setting import KVSetting
 
 pytest.importorskip("rouge_score", reason="h2o-kv eval xsum needs rouge-score: pip install 'h2o-kv[eval]'")
-HAYSTACK = results.SHARED_DATA / "haystack" / "PaulGrahamEssays"
-needs_data = pytest.mark.skipif(not HAYSTACK.is_dir(), reason="shared data folder not present (H2O_KV_DATA)")
+DYNAMIC = KVSetting("dynamic")
 
 
 def _write(path, rows):
@@ -42,12 +43,12 @@ def test_bad_xsum_file(tmp_path, row, message):
 
 def test_xsum_options_fail_early(tmp_path):
     with pytest.raises(FileNotFoundError, match="missing.jsonl"):
-        XsumJob.create(KVSpec("full"), path=tmp_path / "missing.jsonl")
+        XsumJob.create(DYNAMIC, path=tmp_path / "missing.jsonl")
     with pytest.raises(ValueError, match="--limit must be an integer >= 1"):
-        XsumJob.create(KVSpec("full"), limit=0, path=_write(tmp_path / "ok.jsonl", [ITEM]))
+        XsumJob.create(DYNAMIC, limit=0, path=_write(tmp_path / "ok.jsonl", [ITEM]))
 
 
-@pytest.mark.skipif(not (results.SHARED_DATA / XSUM_FILE).is_file(), reason="shared data folder not present")
+@needs_data(XSUM_FILE)
 def test_the_papers_xsum_file():
     items = read_xsum()
     assert len(items) == 1000 and all(i["max_tokens"] == 64 and i["stop"] == ["###"] for i in items)
@@ -76,7 +77,7 @@ def test_xsum_run_and_resume(default_model, tmp_path, monkeypatch):
         },
         {**ITEM, "max_tokens": 6},
     ]
-    job = XsumJob.create(KVSpec("h2o", budget=0.5), path=_write(tmp_path / "x.jsonl", rows))
+    job = XsumJob.create(KVSetting.of("h2o", budget=0.5), path=_write(tmp_path / "x.jsonl", rows))
     out = tmp_path / "xsum.json"
     record = run_xsum(job, model, tokenizer, out, model_name="SmolLM2-135M-Instruct", keep_item_log=True)
     saved = json.loads(out.read_text())
@@ -99,18 +100,18 @@ def test_needle_score():
     assert len(KEYWORDS) == 2
 
 
-@needs_data
+@needs_data(HAYSTACK_DIR)
 def test_needle_grid_checks_and_placement(default_model, tmp_path):
     _, tokenizer = default_model
     with pytest.raises(ValueError, match=r"--depths: 150 is out of range \[0, 100\]"):
-        NeedleJob.create(KVSpec("full"), "512", "0,150", tokenizer)
+        NeedleJob.create(DYNAMIC, "512", "0,150", tokenizer)
     with pytest.raises(ValueError, match="--lengths: 9000 is out of range"):
-        NeedleJob.create(KVSpec("full"), "512,9000", "0", tokenizer, max_length=8192)
+        NeedleJob.create(DYNAMIC, "512,9000", "0", tokenizer, max_length=8192)
     with pytest.raises(ValueError, match="--lengths must be comma-separated integers"):
-        NeedleJob.create(KVSpec("full"), "1k", "0", tokenizer)
+        NeedleJob.create(DYNAMIC, "1k", "0", tokenizer)
     with pytest.raises(FileNotFoundError, match="holds no .txt essays"):
-        NeedleJob.create(KVSpec("full"), "512", "0", tokenizer, folder=tmp_path)
-    job = NeedleJob.create(KVSpec("full"), "300,600", "0,50,100", tokenizer)
+        NeedleJob.create(DYNAMIC, "512", "0", tokenizer, folder=tmp_path)
+    job = NeedleJob.create(DYNAMIC, "300,600", "0,50,100", tokenizer)
     for length in (300, 600):
         start, _ = job.document(tokenizer, length, 0)
         assert start.startswith(" " + NEEDLE)
@@ -122,13 +123,13 @@ def test_needle_grid_checks_and_placement(default_model, tmp_path):
         assert abs(len(tokenizer.encode(middle, add_special_tokens=False)) - length) <= 4
 
 
-@needs_data
-def test_needle_run_full_finds_it_and_local_loses_it(default_model, tmp_path):
+@needs_data(HAYSTACK_DIR)
+def test_needle_run_dynamic_finds_it_and_local_loses_it(default_model, tmp_path):
     model, tokenizer = default_model
-    job = NeedleJob.create(KVSpec("full"), "400", "0,100", tokenizer)
+    job = NeedleJob.create(DYNAMIC, "400", "0,100", tokenizer)
     full = run_needle(job, model, tokenizer, tmp_path / "full.json", model_name="m")
     assert [c["score"] for c in full["cells"]] == [1.0, 1.0]  # the format the default model solves
-    job = NeedleJob.create(KVSpec("local", budget=0.1), "400", "0", tokenizer)
+    job = NeedleJob.create(KVSetting.of("local", budget=0.1), "400", "0", tokenizer)
     local = run_needle(job, model, tokenizer, tmp_path / "local.json", model_name="m", png=tmp_path / "n.png")
     assert local["cells"][0]["score"] < 1.0  # the needle at depth 0 is outside a 10% recent window
     assert local["kv_kept_ratio"] == pytest.approx(0.1, abs=0.02)

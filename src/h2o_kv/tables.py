@@ -32,13 +32,17 @@ class Estimate:
     def format(self, scale: float = 1.0, digits: int = 2, *, sign: bool = False, interval: bool = False) -> str:
         """``"12.34 ± 0.56"`` (or ``"12.34 [11.2, 13.4]"`` with ``interval``), every number times ``scale``."""
         spec = f"{'+' if sign else ''}.{digits}f"
-        text = format(scale * self.value, spec)
+
+        def number(x: float) -> str:  # no "-0.00" for a value that rounds to zero
+            x *= scale
+            return format(0.0 if abs(x) < 0.5 * 10**-digits else x, spec)
+
         if self.se is None:
-            return text
+            return number(self.value)
         if interval:
             low, high = self.interval()
-            return f"{text} [{format(scale * low, spec)}, {format(scale * high, spec)}]"
-        return f"{text} ± {format(scale * self.se, f'.{digits}f')}"
+            return f"{number(self.value)} [{number(low)}, {number(high)}]"
+        return f"{number(self.value)} ± {format(scale * self.se, f'.{digits}f')}"
 
 
 def mean(values: Sequence[float]) -> Estimate:

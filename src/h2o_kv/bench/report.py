@@ -92,8 +92,8 @@ def _ratio(a, b):
     return a / b if a is not None and b else None
 
 
-def _fmt(value, spec: str = ".2f", scale: float = 1.0) -> str:
-    return "-" if value is None else format(value / scale, spec)
+def _fmt(value, spec: str = ".2f", scale: float = 1.0, suffix: str = "") -> str:
+    return "-" if value is None else format(value / scale, spec) + suffix
 
 
 def markdown_table(rows: list[dict], baseline: str = BASELINE) -> str:
@@ -112,8 +112,8 @@ def markdown_table(rows: list[dict], baseline: str = BASELINE) -> str:
             _fmt(row["prefill_s"], ".1f"), _fmt(row["decode_tok_s"]),
             f"{_fmt(row['step_ms_p50'], '.0f')} / {_fmt(row['step_ms_p99'], '.0f')}", _fmt(row["e2e_tok_s"]),
             _fmt(row["prefill_peak_increase_bytes"], ".0f", MiB), _fmt(row["decode_peak_increase_bytes"], ".0f", MiB),
-            _fmt(row["cache_bytes_end"], ".0f", MiB), f"{_fmt(row.get('decode_speedup'))}x",
-            f"{_fmt(row.get('decode_p50_speedup'))}x", f"{_fmt(row.get('e2e_speedup'))}x",
+            _fmt(row["cache_bytes_end"], ".0f", MiB), _fmt(row.get("decode_speedup"), suffix="x"),
+            _fmt(row.get("decode_p50_speedup"), suffix="x"), _fmt(row.get("e2e_speedup"), suffix="x"),
             _fmt(row.get("kv_ratio"), ".3f"), _fmt(row.get("prefill_time_ratio")), _fmt(row.get("prefill_peak_ratio")),
         ])  # fmt: skip
     note = "Each row: the median over its repeats; decode tok/s is a mean over the decode steps."

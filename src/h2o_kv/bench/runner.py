@@ -71,7 +71,8 @@ class ResultStore:
         return next((r for r in self.records if r["key"] == key and r.get("repeat") == repeat), None)
 
     def add(self, record: dict) -> None:
-        self.records.append({**record, "run": self.run})
+        record["run"] = self.run
+        self.records.append(record)
         self.save()
 
     def save(self) -> None:

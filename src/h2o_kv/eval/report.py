@@ -59,7 +59,9 @@ def budget_column(record: dict[str, Any]) -> tuple[float, str]:
 
 
 def row_name(record: dict[str, Any]) -> str:
-    return str(record.get("policy")) + (" (peer)" if record.get("peer") and "peer" not in str(record["policy"]) else "")
+    """The record's setting name; an external peer whose name does not say so (``kvpress:...`` does) gets "(peer)"."""
+    name = str(record.get("policy"))
+    return name + (" (peer)" if record.get("peer") and ":" not in name else "")
 
 
 def _fmt(value: float) -> str:
