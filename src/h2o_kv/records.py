@@ -144,21 +144,13 @@ def save(path: str | Path, data: dict[str, Any]) -> Path:
     return path
 
 
-def write(
-    path: str | Path,
-    kind: str,
-    fields: dict[str, Any],
-    *,
-    device: Any = None,
-    h2o_cache: bool = True,
-    command: str | None = None,
-) -> dict[str, Any]:
+def write(path: str | Path, kind: str, fields: dict[str, Any], **options: Any) -> dict[str, Any]:
     """Write one result record to ``path`` (atomically) and return it.
 
-    ``fields``: the kind's own fields (e.g. ``{"policy": ..., "metrics": {...}}``); ``device`` (the model's device)
-    and ``h2o_cache`` (whether an :class:`~h2o_kv.H2OCache` ran) decide ``fused_cpu_kernels``; ``command`` defaults
-    to the command that started this process (:func:`command_line`)."""
-    data = record(kind, fields, device=device, h2o_cache=h2o_cache, command=command)
+    ``fields``: the kind's own fields (e.g. ``{"policy": ..., "metrics": {...}}``); ``options`` as for
+    :func:`record`: ``device`` (the model's device) and ``h2o_cache`` (whether an :class:`~h2o_kv.H2OCache` ran)
+    decide ``fused_cpu_kernels``; ``command`` defaults to the command that started this process."""
+    data = record(kind, fields, **options)
     save(path, data)
     return data
 

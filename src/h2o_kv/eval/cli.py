@@ -20,14 +20,14 @@ def fail(message: str) -> None:
     raise typer.Exit(2)
 
 
-def _prepare(make: Callable[[], Any], handle, *, load: bool = True):
+def _prepare(make: Callable[[], Any], handle):
     """Validate (``make()``), then load the model: every bad input fails here, before the long work."""
-    from transformers.utils import logging as transformers_logging
-
-    transformers_logging.disable_progress_bar()
     try:
         job = make()
-        return job, (handle.model() if load else None)
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()
+        return job, handle.model()
     except (ValueError, FileNotFoundError, ImportError) as err:
         fail(str(err))
 
