@@ -17,6 +17,7 @@ from helpers import quiet_generate
 
 from h2o_kv import H2OCache
 from h2o_kv.chat import ChatSession, continue_generation, run_chat
+from h2o_kv.hf.cache import H2OBudgetWarning
 from h2o_kv.models import load_model
 
 
@@ -33,7 +34,7 @@ def test_continue_generation_equals_generating_over_the_full_history(llama, stre
     cache = H2OCache(heavy=100, recent=100, streaming=streaming)
     options = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="H2OCache budget")
+        warnings.filterwarnings("ignore", category=H2OBudgetWarning)
         first = continue_generation(llama, cache, turn1, **options)
         assert cache.get_seq_length() == 30  # the last generated token was fed as well
         second = continue_generation(llama, cache, turn2, **options)
@@ -53,7 +54,7 @@ def test_continue_generation_after_plain_generate_and_without_feed_last(llama):
     for how in ("helper", "plain", "no-feed"):
         cache = H2OCache(heavy=64, recent=64, streaming=True)
         with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="H2OCache budget")
+            warnings.filterwarnings("ignore", category=H2OBudgetWarning)
             if how == "helper":
                 continue_generation(llama, cache, turn1, **opts)
                 nxt = turn2
@@ -74,7 +75,7 @@ def test_continue_generation_with_eviction_stays_bounded(llama):
     for seed in range(6):  # 6 turns of 30 + 20 tokens: far more than the 16 kept entries
         turn = torch.randint(3, 512, (1, 30), generator=torch.Generator().manual_seed(seed))
         with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="H2OCache budget")
+            warnings.filterwarnings("ignore", category=H2OBudgetWarning)
             out = continue_generation(
                 llama, cache, turn, max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=0
             )
@@ -90,12 +91,12 @@ def test_continue_generation_full_history_mask_matches_new_only(llama):
     for full_mask in (False, True):
         cache = H2OCache(heavy=64, recent=64)
         with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="H2OCache budget")
+            warnings.filterwarnings("ignore", category=H2OBudgetWarning)
             continue_generation(llama, cache, turn1, max_new_tokens=5, do_sample=False)
         seen = cache.get_seq_length()
         mask = torch.ones(1, seen + 8 if full_mask else 8, dtype=torch.long)
         with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="H2OCache budget")
+            warnings.filterwarnings("ignore", category=H2OBudgetWarning)
             outs.append(continue_generation(llama, cache, turn2, mask, max_new_tokens=6, do_sample=False))
     assert torch.equal(outs[0], outs[1])
 

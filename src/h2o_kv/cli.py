@@ -77,7 +77,7 @@ class _Group(TyperGroup):
         except click_errors.ClickException as err:
             typer.echo(f"error: {' '.join(err.format_message().split())}", err=True)
             sys.exit(err.exit_code)
-        except click_errors.Abort:
+        except typer.Abort:
             typer.echo("Aborted.", err=True)
             sys.exit(1)
         sys.exit(status or 0)
