@@ -10,8 +10,8 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from h2o_kv.cli import DTYPE_NAMES, LAZY_GROUPS, POLICY_NAMES, Notes, app, budget_notes, lazy_group
 from h2o_kv.budget import Budget
+from h2o_kv.cli import DTYPE_NAMES, LAZY_GROUPS, POLICY_NAMES, Notes, app, budget_notes, lazy_group
 
 runner = CliRunner()
 
@@ -44,8 +44,8 @@ def test_help_and_input_errors_import_neither_torch_nor_transformers(args):
     """What makes them answer in well under a second (the library's imports take 5-8 s on a small machine)."""
     script = (
         "import sys\nfrom h2o_kv.cli import app\ntry:\n    app(sys.argv[1:])\nexcept SystemExit as done:\n"
-        "    code = done.code\nheavy = {'torch', 'transformers', 'h2o_kv.eval.cli', 'h2o_kv.bench.cli'} & set(sys.modules)\n"
-        "assert not heavy, heavy\nsys.exit(code)"
+        "    code = done.code\nheavy = {'torch', 'transformers', 'h2o_kv.eval.cli', 'h2o_kv.bench.cli'}\n"
+        "assert not heavy & set(sys.modules), heavy & set(sys.modules)\nsys.exit(code)"
     )
     done = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=120)
     assert done.returncode == (2 if args == ["generate", "hi"] else 0), done.stderr
@@ -149,8 +149,13 @@ def test_notes_print_each_warning_once_on_one_line(capsys):
         (Budget(ratio=0.2), 36, 128, "--budget 0.2 of this 36-token prompt keeps 3 heavy + 3 recent entries"),
         (Budget(ratio=0.2), 5, 128, "keeps 1 heavy + 1 recent entries"),
         (Budget(ratio=0.2), 2048, 128, None),  # the paper's setting: a long prompt
-        (Budget(heavy=32, recent=32), 36, 128, "--heavy 32 --recent 32 keeps 64 entries per layer and KV head, the "
-         "whole 36-token prompt: nothing is evicted until the sequence is longer than 64 tokens"),  # fmt: skip
+        (
+            Budget(heavy=32, recent=32),
+            36,
+            128,
+            "--heavy 32 --recent 32 keeps 64 entries per layer and KV head, the "
+            "whole 36-token prompt: nothing is evicted until the sequence is longer than 64 tokens",
+        ),  # fmt: skip
         (Budget(heavy=32, recent=32), 2048, 128, None),
     ],
 )

@@ -11,7 +11,6 @@ from helpers import greedy_generate, random_prompt
 from h2o_kv import H2OCache, kernels, load_model
 
 
-
 @pytest.fixture(scope="module")
 def ops():
     """The compiled kernels (built on first use, about 30 s once per machine: here, not at test collection)."""

@@ -294,8 +294,8 @@ def budget_notes(note, rule: Budget, length: int, max_new_tokens: int) -> None:
     elif kept >= length:
         options = f"--budget {rule.ratio}" if rule.is_ratio else f"--heavy {heavy} --recent {recent}"
         note(
-            f"{options} keeps {kept} entries per layer and KV head, the whole {length}-token prompt: nothing is evicted "
-            f"until the sequence is longer than {kept} tokens"
+            f"{options} keeps {kept} entries per layer and KV head, the whole {length}-token prompt: nothing is "
+            f"evicted until the sequence is longer than {kept} tokens"
         )
 
 
