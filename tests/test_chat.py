@@ -148,6 +148,17 @@ def test_chat_session_is_bounded_over_many_turns(smol):
     assert session.stats()["seen_tokens"] == 0 and session.turns == 0
 
 
+def test_short_chat_holds_no_more_kv_memory_than_a_full_cache(smol):
+    """Below the budget the buffer grows with the entries (it used to be allocated at heavy + recent + 1 at once)."""
+    model, tok = smol
+    session = ChatSession(model, tok, max_new_tokens=4)  # the command's default budget, 256 + 256
+    for question in ("Hi", "And you?"):
+        session.send(question)
+        stats = session.stats()
+        assert stats["kv_tokens"] == stats["seen_tokens"] < 512
+        assert stats["kv_bytes"] <= stats["full_kv_bytes"], stats
+
+
 def test_chat_session_bad_settings(smol):
     model, tok = smol
     with pytest.raises(ValueError, match="heavy \\+ recent must be >= 1"):
@@ -172,7 +183,7 @@ def test_run_chat_survives_bad_lines(smol):
 def _chat_process(*args):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     return subprocess.Popen(
-        [sys.executable, "-m", "h2o_kv.chat", *args],
+        [sys.executable, "-m", "h2o_kv.cli", "chat", *args],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
     )  # fmt: skip
 
