@@ -112,6 +112,12 @@ def test_generate_rejects_bad_input_in_one_line(args, pattern):
     assert re.search(pattern, one_line_error(invoke("generate", *args)))
 
 
+def test_generate_needs_a_tokenizer(tiny_models):
+    model = str(tiny_models["opt"])
+    error = one_line_error(invoke("generate", "hi", "--heavy", "4", "--recent", "4", "--model", model))
+    assert error == f"error: --model {model} has no tokenizer files; generate needs one\n"
+
+
 def test_generate_rejects_a_prompt_and_a_file(tmp_path):
     text = tmp_path / "prompt.txt"
     text.write_text("hello")

@@ -136,8 +136,7 @@ class Notes:
             print(f"note: {text}", file=sys.stderr, flush=True)
 
     def __enter__(self):
-        self._catch.__enter__()
-        warnings.simplefilter("always")  # once per text is done here
+        self._catch.__enter__()  # Python's filters stay (library DeprecationWarnings stay hidden)
         warnings.showwarning = lambda message, *args, **kwargs: self(message)
         return self
 
