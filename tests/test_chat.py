@@ -188,6 +188,7 @@ def _chat_process(*args):
     )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_piped_multi_turn_chat_end_to_end(default_model):
     """A scripted session through the command: three turns with eviction, commands, a non-UTF-8 line."""
     script = b"What is the capital of France?\n\n/stats\nAnd of Italy?\n\xff\xfe odd bytes\n/bogus\n/quit\nignored\n"
@@ -204,6 +205,7 @@ def test_piped_multi_turn_chat_end_to_end(default_model):
     assert max(held) <= 48 < seen[-1]  # evicting, bounded
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_the_reply_not_the_session(default_model):
     proc = _chat_process("--heavy", "16", "--recent", "16", "--max-new-tokens", "400", "--policy", "sink")
     chunks: list[bytes] = []

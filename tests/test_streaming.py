@@ -48,6 +48,7 @@ def test_pair_order_is_a_permutation():
     assert order[:8].tolist() == [0, 4, 1, 5, 2, 6, 3, 7]
 
 
+@pytest.mark.filterwarnings("ignore::h2o_kv.hf.cache.H2OBudgetWarning")  # the point of the test
 @pytest.mark.parametrize("family", ROPE_FAMILIES)
 def test_same_tokens_as_plain_cache_while_nothing_is_evicted(tiny, family):
     """Budget larger than the sequence: in-cache positions equal absolute ones, so streaming changes nothing."""
@@ -64,6 +65,7 @@ def test_same_tokens_as_plain_cache_while_nothing_is_evicted(tiny, family):
     torch.testing.assert_close(steps, reference, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["h2o", "sink", "local"])
 def test_runs_three_times_past_the_window_with_bounded_layers(tiny, policy, monkeypatch):
     model = tiny["llama"]
@@ -180,6 +182,7 @@ def test_long_prompt_chunk_warns_past_the_window(tiny):
         model(ids, **cache_kwargs(H2OCache(heavy=8, recent=8, streaming=True)))
 
 
+@pytest.mark.filterwarnings("ignore::h2o_kv.hf.cache.H2OBudgetWarning")
 def test_sliding_window_counts_in_cache_positions():
     """Mistral-style sliding window (64) with 32 kept entries: it never binds in streaming mode, so sinks stay
     visible however far back they are; a cache as large as the window is refused."""
