@@ -6,6 +6,7 @@ import warnings
 
 import torch
 
+from h2o_kv.hf.cache import H2OBudgetWarning
 from h2o_kv.hf.compat import cache_kwargs
 
 
@@ -36,10 +37,10 @@ def greedy_generate(model, ids, cache, new_tokens, attention_mask=None, pad_toke
 
 
 def quiet_generate(model, ids, cache, new_tokens, **kwargs):
-    """Exactly ``new_tokens`` greedy tokens (pad id 0); returns the sequences. The cache's "budget >= prompt
-    length" warning is silenced (expected with the small prompts of the tests)."""
+    """Exactly ``new_tokens`` greedy tokens (pad id 0); returns what ``generate`` returns. The cache's "budget >=
+    prompt length" notice is silenced (expected with the small prompts of the tests)."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="H2OCache budget")
+        warnings.filterwarnings("ignore", category=H2OBudgetWarning)
         return model.generate(
             ids, attention_mask=torch.ones_like(ids), **cache_kwargs(cache), max_new_tokens=new_tokens,
             min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, **kwargs,

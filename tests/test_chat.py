@@ -17,6 +17,7 @@ from helpers import quiet_generate
 
 from h2o_kv import H2OCache
 from h2o_kv.chat import ChatSession, continue_generation, run_chat
+from h2o_kv.hf.cache import H2OBudgetWarning
 from h2o_kv.models import load_model
 
 
@@ -33,7 +34,7 @@ def test_continue_generation_equals_generating_over_the_full_history(llama, stre
     cache = H2OCache(heavy=100, recent=100, streaming=streaming)
     options = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="H2OCache budget")
+        warnings.filterwarnings("ignore", category=H2OBudgetWarning)
         first = continue_generation(llama, cache, turn1, **options)
         assert cache.get_seq_length() == 30  # the last generated token was fed as well
         second = continue_generation(llama, cache, turn2, **options)
@@ -53,7 +54,7 @@ def test_continue_generation_after_plain_generate_and_without_feed_last(llama):
     for how in ("helper", "plain", "no-feed"):
         cache = H2OCache(heavy=64, recent=64, streaming=True)
         with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="H2OCache budget")
+            warnings.filterwarnings("ignore", category=H2OBudgetWarning)
             if how == "helper":
                 continue_generation(llama, cache, turn1, **opts)
                 nxt = turn2
@@ -74,7 +75,7 @@ def test_continue_generation_with_eviction_stays_bounded(llama):
     for seed in range(6):  # 6 turns of 30 + 20 tokens: far more than the 16 kept entries
         turn = torch.randint(3, 512, (1, 30), generator=torch.Generator().manual_seed(seed))
         with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="H2OCache budget")
+            warnings.filterwarnings("ignore", category=H2OBudgetWarning)
             out = continue_generation(
                 llama, cache, turn, max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=0
             )
@@ -90,12 +91,12 @@ def test_continue_generation_full_history_mask_matches_new_only(llama):
     for full_mask in (False, True):
         cache = H2OCache(heavy=64, recent=64)
         with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="H2OCache budget")
+            warnings.filterwarnings("ignore", category=H2OBudgetWarning)
             continue_generation(llama, cache, turn1, max_new_tokens=5, do_sample=False)
         seen = cache.get_seq_length()
         mask = torch.ones(1, seen + 8 if full_mask else 8, dtype=torch.long)
         with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="H2OCache budget")
+            warnings.filterwarnings("ignore", category=H2OBudgetWarning)
             outs.append(continue_generation(llama, cache, turn2, mask, max_new_tokens=6, do_sample=False))
     assert torch.equal(outs[0], outs[1])
 
@@ -147,6 +148,17 @@ def test_chat_session_is_bounded_over_many_turns(smol):
     assert session.stats()["seen_tokens"] == 0 and session.turns == 0
 
 
+def test_short_chat_holds_no_more_kv_memory_than_a_full_cache(smol):
+    """Below the budget the buffer grows with the entries (it used to be allocated at heavy + recent + 1 at once)."""
+    model, tok = smol
+    session = ChatSession(model, tok, max_new_tokens=4)  # the command's default budget, 256 + 256
+    for question in ("Hi", "And you?"):
+        session.send(question)
+        stats = session.stats()
+        assert stats["kv_tokens"] == stats["seen_tokens"] < 512
+        assert stats["kv_bytes"] <= stats["full_kv_bytes"], stats
+
+
 def test_chat_session_bad_settings(smol):
     model, tok = smol
     with pytest.raises(ValueError, match="heavy \\+ recent must be >= 1"):
@@ -171,11 +183,12 @@ def test_run_chat_survives_bad_lines(smol):
 def _chat_process(*args):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     return subprocess.Popen(
-        [sys.executable, "-m", "h2o_kv.chat", *args],
+        [sys.executable, "-m", "h2o_kv.cli", "chat", *args],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
     )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_piped_multi_turn_chat_end_to_end(default_model):
     """A scripted session through the command: three turns with eviction, commands, a non-UTF-8 line."""
     script = b"What is the capital of France?\n\n/stats\nAnd of Italy?\n\xff\xfe odd bytes\n/bogus\n/quit\nignored\n"
@@ -192,6 +205,7 @@ def test_piped_multi_turn_chat_end_to_end(default_model):
     assert max(held) <= 48 < seen[-1]  # evicting, bounded
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_the_reply_not_the_session(default_model):
     proc = _chat_process("--heavy", "16", "--recent", "16", "--max-new-tokens", "400", "--policy", "sink")
     chunks: list[bytes] = []

@@ -1,56 +1,244 @@
-"""`h2o-kv generate` end to end on the default model, and its input checks."""
+"""The ``h2o-kv`` command line: help and input errors without the model (fast), ``generate`` end to end."""
 
 from __future__ import annotations
 
+import logging
 import re
+import subprocess
+import sys
 
 import pytest
 from typer.testing import CliRunner
 
-from h2o_kv.cli import app
+from h2o_kv.budget import Budget
+from h2o_kv.cli import DTYPE_NAMES, LAZY_GROUPS, POLICY_NAMES, Notes, app, budget_notes, lazy_group
 
 runner = CliRunner()
 
 
-def run(*args):
-    result = runner.invoke(app, ["generate", *args])
-    return result.exit_code, result.output + (result.stderr if result.stderr_bytes else "")
+def invoke(*args):
+    return runner.invoke(app, list(args), env={"COLUMNS": "200"})  # wide help: no wrapped cells
 
 
-def test_generate_prints_text_and_summary(default_model):
-    code, out = run("Explain the water cycle.", "--chat", "--heavy", "8", "--recent", "8", "--max-new-tokens", "12")
-    assert code == 0, out
-    summary = out.strip().splitlines()[-1]
-    assert re.search(r"KV entries 16 kept / \d+ seen", summary), summary
-    assert "vs" in summary and "full" in summary and "tok/s" in summary
-    seen = int(re.search(r"/ (\d+) seen", summary).group(1))
-    assert seen > 16
+def one_line_error(result) -> str:
+    """The single ``error: ...`` line of a rejected command (exit status 2, nothing else printed)."""
+    assert result.exit_code == 2, result.output
+    assert result.stdout == "" and result.stderr.count("\n") == 1, result.output
+    assert result.stderr.startswith("error: ") and "Traceback" not in result.stderr
+    return result.stderr
 
 
-def test_generate_from_file_with_budget(default_model, tmp_path):
-    text = tmp_path / "prompt.txt"
-    text.write_text("The quick brown fox jumps over the lazy dog. " * 40)
-    code, out = run("--file", str(text), "--budget", "0.2", "--max-new-tokens", "4", "--quiet")
-    assert code == 0, out
-    assert "h2o(heavy=" in out and "(0.2" in out or "(0.1" in out
+# -- without the model ------------------------------------------------------------------------------------------
+
+
+def test_option_names_match_the_library():
+    from h2o_kv.models import _DTYPES
+    from h2o_kv.policies import POLICIES
+
+    assert POLICY_NAMES == tuple(POLICIES)
+    assert set(DTYPE_NAMES) == set(_DTYPES)
+
+
+@pytest.mark.parametrize("args", [["--help"], ["generate", "--help"], ["chat", "--help"], ["generate", "hi"]])
+def test_help_and_input_errors_import_neither_torch_nor_transformers(args):
+    """What makes them answer in well under a second (the library's imports take 5-8 s on a small machine)."""
+    script = (
+        "import sys\nfrom h2o_kv.cli import app\ntry:\n    app(sys.argv[1:])\nexcept SystemExit as done:\n"
+        "    code = done.code\nheavy = {'torch', 'transformers', 'h2o_kv.eval.cli', 'h2o_kv.bench.cli'}\n"
+        "assert not heavy & set(sys.modules), heavy & set(sys.modules)\nsys.exit(code)"
+    )
+    done = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=120)
+    assert done.returncode == (2 if args == ["generate", "hi"] else 0), done.stderr
+    assert (done.stderr if args == ["generate", "hi"] else done.stdout).strip()
+
+
+def test_top_level_help_lists_every_command_and_the_groups_load_when_used():
+    listed = invoke("--help")
+    assert listed.exit_code == 0
+    for name in ("generate", "chat", "eval", "bench"):
+        assert re.search(rf"│ {name} ", listed.stdout), listed.stdout
+    for name, (_, help_line) in LAZY_GROUPS.items():
+        assert help_line in listed.stdout
+        assert lazy_group(name).help == help_line  # the stand-in says what the group says
+        group_help = invoke(name, "--help")
+        assert group_help.exit_code == 0 and "COMMAND" in group_help.stdout
+    assert invoke("eval", "ppl", "--help").exit_code == 0
+
+
+def test_generate_help_states_the_budget_rule_defaults_and_ranges():
+    result = invoke("generate", "--help")
+    assert result.exit_code == 0
+    text = " ".join(result.stdout.replace("│", " ").split())
+    assert "The KV budget is required (except with --policy full)" in text
+    assert "ratio in (0, 1] of the prompt length" in text and "give --heavy/--recent for short prompts" in text
+    assert re.search(r"--max-new-tokens <int range> \[x>=1\] Tokens to generate. \[default: 128\]", text), text
+    assert re.search(r"--heavy <int range> \[x>=0\]", text) and "--max-prompt-tokens <int range> [x>=1]" in text
+    assert "<h2o|local|sink|full|tova|snapkv|random|h2o_mean>" in text and "[default: h2o]" in text
+    for default in ("SmolLM2-135M-Instruct", "float32 on CPU, bfloat16 on CUDA", "cuda when available, else cpu"):
+        assert f"[default: ({default})]" in text
+    assert 'h2o-kv generate "Explain the water cycle." --chat --heavy 32 --recent 32' in text
+
+
+def test_chat_help_is_a_plain_command():
+    result = invoke("chat", "--help")
+    assert result.exit_code == 0
+    assert "chat [OPTIONS]" in result.stdout and "COMMAND" not in result.stdout and "[default: 256]" in result.stdout
 
 
 @pytest.mark.parametrize(
-    "args, message",
+    "args, pattern",
     [
-        (["   "], "prompt is empty"),
-        (["hi", "--budget", "1.5"], "budget must be a ratio in (0, 1]"),
-        (["hi", "--heavy", "-1", "--recent", "4"], "heavy must be an integer >= 0"),
-        (["hi", "--heavy", "4", "--recent", "4", "--policy", "nope"], "--policy must be one of"),
-        (["hi", "--heavy", "4", "--recent", "4", "--model", "/no/such/model"], "name_or_path='/no/such/model'"),
-        (["hi"], "give --budget"),
-        (["hi", "--budget", "0.2", "--heavy", "4"], "either budget"),
-        (["hi", "--heavy", "4", "--recent", "4", "--max-new-tokens", "9000"], "exceeds the model's context"),
-        (["hi", "--file", "/no/such/file.txt"], "not both"),
-        (["--file", "/no/such/file.txt", "--budget", "0.2"], "does not exist"),
+        (["   ", "--heavy", "4", "--recent", "4"], "the prompt is empty"),
+        (["hi", "--budget", "1.5"], r"--budget must be a ratio in \(0, 1\]"),
+        (["hi", "--budget", "0"], r"--budget must be a ratio in \(0, 1\]"),
+        (["hi", "--heavy", "-1", "--recent", "4"], r"'--heavy'.*(>= ?0|greater than or equal to 0)"),
+        (["hi", "--heavy", "x", "--recent", "4"], r"'--heavy'.*integer"),
+        (["hi", "--heavy", "4", "--recent", "4", "--max-new-tokens", "0"], r"'--max-new-tokens'.*1"),
+        (["hi", "--heavy", "4", "--recent", "4", "--max-prompt-tokens", "0"], r"'--max-prompt-tokens'.*1"),
+        (["hi", "--heavy", "4", "--recent", "4", "--policy", "nope"], r"'--policy'.*'nope'.*'h2o_mean'"),
+        (["hi", "--heavy", "4", "--recent", "4", "--dtype", "int8"], r"'--dtype'.*'bfloat16'"),
+        (["--file", "/no/such/file.txt", "--budget", "0.2"], r"'--file'.*does not exist"),
+        (["hi"], r"give --budget \(a ratio in \(0, 1\] of the prompt\) or --heavy and --recent"),
+        (["hi", "--heavy", "4"], "--recent is required"),
+        (["hi", "--budget", "0.2", "--heavy", "4"], "either --budget .* or --heavy/--recent"),
+        (["hi", "--heavy", "0", "--recent", "0"], r"--heavy \+ --recent must be >= 1"),
+        (["hi", "--policy", "full", "--budget", "0.2"], "--policy full keeps every entry"),
+        (["hi", "--heavy", "4", "--recent", "4", "--model", "/no/such/model"], "^error: --model '/no/such/model' is "),
+        (["hi", "--heavy", "4", "--recent", "4", "--device", "tpu"], "--device 'tpu'; expected one of cpu, cuda"),
+        (["hi", "--bogus"], "No such option: --bogus"),
     ],
 )
-def test_generate_rejects_bad_input(default_model, args, message):
-    code, out = run(*args)
-    assert code != 0
-    assert message in " ".join(out.replace("│", " ").split()), out
+def test_generate_rejects_bad_input_in_one_line(args, pattern):
+    assert re.search(pattern, one_line_error(invoke("generate", *args)))
+
+
+def test_generate_needs_a_tokenizer(tiny_models):
+    model = str(tiny_models["opt"])
+    error = one_line_error(invoke("generate", "hi", "--heavy", "4", "--recent", "4", "--model", model))
+    assert error == f"error: --model {model} has no tokenizer files; generate needs one\n"
+
+
+def test_generate_rejects_a_prompt_and_a_file(tmp_path):
+    text = tmp_path / "prompt.txt"
+    text.write_text("hello")
+    assert "not both" in one_line_error(invoke("generate", "hi", "--file", str(text), "--budget", "0.2"))
+
+
+@pytest.mark.parametrize(
+    "args, pattern",
+    [
+        (["--heavy", "0", "--recent", "0"], r"--heavy \+ --recent must be >= 1"),
+        (["--policy", "full"], r"'--policy'.*'full' is not one of"),
+        (["--top-p", "0"], r"--top-p must be in \(0, 1\]"),
+        (["--max-new-tokens", "0"], r"'--max-new-tokens'"),
+        (["--model", "/no/such/model"], "--model '/no/such/model' is neither a local directory"),
+    ],
+)
+def test_chat_rejects_bad_input_in_one_line(args, pattern):
+    assert re.search(pattern, one_line_error(invoke("chat", *args)))
+
+
+def test_notes_print_each_warning_once_on_one_line(capsys):
+    import warnings
+
+    with Notes() as note:
+        for _ in range(2):
+            warnings.warn("first line\n  continued", UserWarning, stacklevel=1)
+        note("the command's own")
+        note("the command's own")
+    assert capsys.readouterr().err == "note: first line continued\nnote: the command's own\n"
+
+
+@pytest.mark.parametrize(
+    "rule, length, new, expected",
+    [
+        (Budget(ratio=0.2), 36, 128, "--budget 0.2 of this 36-token prompt keeps 3 heavy + 3 recent entries"),
+        (Budget(ratio=0.2), 5, 128, "keeps 1 heavy + 1 recent entries"),
+        (Budget(ratio=0.2), 2048, 128, None),  # the paper's setting: a long prompt
+        (
+            Budget(heavy=32, recent=32),
+            36,
+            128,
+            "--heavy 32 --recent 32 keeps 64 entries per layer and KV head, the "
+            "whole 36-token prompt: nothing is evicted until the sequence is longer than 64 tokens",
+        ),  # fmt: skip
+        (Budget(heavy=32, recent=32), 2048, 128, None),
+    ],
+)
+def test_budget_notes(rule, length, new, expected):
+    notes = []
+    budget_notes(notes.append, rule, length, new)
+    assert notes == [] if expected is None else len(notes) == 1 and expected in notes[0]
+    if expected and rule.is_ratio:
+        assert "give --heavy and --recent instead" in notes[0]
+
+
+# -- with the default model -------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_readme_command_one_answers_on_topic_with_one_note(default_model):
+    """The README's first command: a sensible answer, its summary, and one clean note (no warning, no traceback)."""
+    result = invoke("generate", "Explain the water cycle.", "--chat", "--heavy", "32", "--recent", "32",
+                    "--max-new-tokens", "128")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    answer, summary = result.stdout.strip().rsplit("\n", 1)
+    assert "evaporation" in answer and "condens" in answer, answer
+    assert re.search(r"\[h2o\(heavy=32, recent=32\)\] KV entries 64 kept / \d+ seen", summary), summary
+    assert result.stderr.startswith("note: --heavy 32 --recent 32 keeps 64 entries") and "nothing is evicted" in (
+        result.stderr
+    )
+    assert result.stderr.count("\n") == 1, result.stderr
+
+
+def test_ratio_of_a_short_prompt_runs_and_says_so(default_model):
+    """The README's prompt without --chat and a ratio budget: 1 + 1 entries (the budget rule), one note, exit 0."""
+    result = invoke("generate", "Explain the water cycle.", "--budget", "0.2", "--max-new-tokens", "8")
+    assert result.exit_code == 0, result.output
+    assert "KV entries 2 kept" in result.stdout
+    assert result.stderr.count("\n") == 1 and "keeps 1 heavy + 1 recent" in result.stderr, result.stderr
+
+
+def test_generate_from_file_with_budget(default_model, tmp_path):
+    text = "The quick brown fox jumps over the lazy dog. " * 40
+    (tmp_path / "prompt.txt").write_text(text)
+    length = len(default_model[1](text).input_ids)
+    half = int(0.2 * length / 2)
+    result = invoke("generate", "--file", str(tmp_path / "prompt.txt"), "--budget", "0.2", "--max-new-tokens", "4",
+                    "--quiet")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith(f"[h2o(heavy={half}, recent={half})] KV entries {2 * half} kept / {length + 3} ")
+
+
+@pytest.fixture
+def transformers_log():
+    """Records what transformers logs (its loggers do not propagate to pytest's caplog)."""
+    from transformers.utils import logging as hf_logging
+
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    hf_logging.add_handler(handler)
+    yield records
+    hf_logging.remove_handler(handler)
+
+
+def test_long_file_cut_by_max_prompt_tokens_prints_no_tokenizer_warning(default_model, tmp_path, transformers_log):
+    text = "The quick brown fox jumps over the lazy dog. " * 1000  # ~10k tokens, more than the 8192 context
+    path = tmp_path / "long.txt"
+    path.write_text(text)
+    tokenizer = type(default_model[1]).from_pretrained(default_model[1].name_or_path)  # a fresh one warns once
+    tokenizer(text)
+    assert any("indexing errors" in message for message in transformers_log)  # what the check below would see
+    transformers_log.clear()
+    cut = invoke("generate", "--file", str(path), "--max-prompt-tokens", "64", "--budget", "0.5", "--max-new-tokens",
+                 "2", "--quiet")  # fmt: skip
+    assert cut.exit_code == 0 and "prompt 64 tokens" in cut.stdout and cut.stderr == "", cut.output
+    whole = invoke("generate", "--file", str(path), "--budget", "0.5", "--max-new-tokens", "2")
+    assert "exceeds the model's context of 8192 tokens" in one_line_error(whole)
+    assert not any("indexing errors" in message for message in transformers_log), transformers_log
+
+
+def test_prompt_past_the_context_is_one_line(default_model):
+    result = invoke("generate", "hi", "--heavy", "4", "--recent", "4", "--max-new-tokens", "9000")
+    assert "exceeds the model's context of 8192 tokens" in one_line_error(result)

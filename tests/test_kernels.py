@@ -10,13 +10,18 @@ from helpers import greedy_generate, random_prompt
 
 from h2o_kv import H2OCache, kernels, load_model
 
-ops = kernels.cpu_ops(torch.zeros(1))
-needs_kernels = pytest.mark.skipif(ops is None, reason="fused kernels unavailable (no compiler or H2O_KV_FUSED=0)")
+
+@pytest.fixture(scope="module")
+def ops():
+    """The compiled kernels (built on first use, about 30 s once per machine: here, not at test collection)."""
+    built = kernels.cpu_ops(torch.zeros(1))
+    if built is None:
+        pytest.skip("fused kernels unavailable (no compiler or H2O_KV_FUSED=0)")
+    return built
 
 
-@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_write_slot_equals_scatter(dtype):
+def test_write_slot_equals_scatter(ops, dtype):
     g = torch.Generator().manual_seed(0)
     batch, heads, slots, dim = 3, 2, 11, 8
     keys, values = (torch.randn(batch, heads, slots, dim, generator=g).to(dtype) for _ in range(2))
@@ -35,9 +40,8 @@ def test_write_slot_equals_scatter(dtype):
         assert torch.equal(got, expected)
 
 
-@needs_kernels
 @pytest.mark.parametrize("seed", range(4))
-def test_h2o_victim_equals_mask_and_min(seed):
+def test_h2o_victim_equals_mask_and_min(ops, seed):
     """Scores += mass in place, then the first lowest score outside the recent window (ties included)."""
     g = torch.Generator().manual_seed(seed)
     batch, heads, slots = 2, 3, 40
@@ -50,8 +54,7 @@ def test_h2o_victim_equals_mask_and_min(seed):
     assert torch.equal(scores, want_scores) and torch.equal(got, want)
 
 
-@needs_kernels
-def test_kernels_check_their_inputs():
+def test_kernels_check_their_inputs(ops):
     scores = torch.zeros(1, 1, 4)
     with pytest.raises(RuntimeError, match="h2o_victim: scores/mass must be contiguous float32"):
         ops.h2o_victim(scores, torch.zeros(1, 1, 4, dtype=torch.float64), torch.zeros(1, 1, 4, dtype=torch.long), 1)
@@ -68,9 +71,8 @@ def test_kernels_skip_what_they_do_not_handle():
     assert kernels.cpu_ops(torch.zeros(4, 4).t()) is None  # not contiguous: the torch ops run
 
 
-@needs_kernels
 @pytest.mark.parametrize("policy", ["h2o", "h2o_mean"])
-def test_generation_with_and_without_kernels_is_identical(tiny_models, policy, monkeypatch):
+def test_generation_with_and_without_kernels_is_identical(ops, tiny_models, policy, monkeypatch):
     """Batch 2 with left padding, past the point where the steady state is reached: same tokens, same logits."""
     model = load_model(tiny_models["llama"], device="cpu")[0]
     ids = random_prompt(40, batch=2)

@@ -1,7 +1,6 @@
 """h2o-kv: H2O (Heavy-Hitter Oracle) KV-cache eviction with real memory savings for Hugging Face models."""
 
 from .budget import Budget
-from .policies import POLICIES, Policy
 
 __all__ = [
     "ATTENTION_NAME",
@@ -15,7 +14,10 @@ __all__ = [
 ]
 __version__ = "0.2.0"
 
-_LAZY = {  # (module, name): importing transformers takes seconds, so the backends load on first use
+_LAZY = {  # (module, name): importing torch and transformers takes seconds, so they load on first use (the CLI's
+    # --help and input checks import neither)
+    "POLICIES": ("h2o_kv.policies", "POLICIES"),
+    "Policy": ("h2o_kv.policies", "Policy"),
     "H2OCache": ("h2o_kv.hf.cache", "H2OCache"),
     "ATTENTION_NAME": ("h2o_kv.hf.scoring", "ATTENTION_NAME"),
     "register_attention": ("h2o_kv.hf.scoring", "register_attention"),

@@ -7,8 +7,9 @@
   re-rotated at their place inside the cache (:mod:`h2o_kv.hf.rotary`), so a conversation of any length runs in
   bounded memory and never leaves the model's trained positions (StreamingLLM, arXiv:2309.17453; the H2O paper's
   streaming variant, arXiv:2306.14048).
-* ``app`` - the typer command ``h2o-kv chat`` (also ``python -m h2o_kv.chat``): status line per turn, ``/reset``,
-  ``/stats``, ``/quit``; works with piped stdin; Ctrl-C stops the current reply, not the session.
+* :func:`run_chat` - the loop of the command ``h2o-kv chat`` (``h2o_kv.cli``; also ``python -m h2o_kv.chat``):
+  status line per turn, ``/reset``, ``/stats``, ``/quit``; works with piped stdin; Ctrl-C stops the current reply,
+  not the session.
 """
 
 from __future__ import annotations
@@ -21,13 +22,10 @@ import warnings
 from typing import Any, TextIO
 
 import torch
-import typer
 
 from .hf import compat
-from .hf.cache import H2OCache
-from .policies import POLICIES
+from .hf.cache import H2OBudgetWarning, H2OCache
 
-_BUDGET_WARNING = "H2OCache budget heavy \\+ recent"
 _SENTINEL_USER, _SENTINEL_REPLY = "\x00h2o-user\x00", "\x00h2o-reply\x00"
 
 
@@ -252,7 +250,7 @@ class ChatSession:
         started = time.perf_counter()
         try:
             with self._interrupt, warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=_BUDGET_WARNING)
+                warnings.filterwarnings("ignore", category=H2OBudgetWarning)  # a chat's first turn is short
                 warnings.filterwarnings("ignore", message=".*generation flags are not valid.*")
                 sample = self.temperature > 0
                 options = dict(temperature=self.temperature, top_p=self.top_p) if sample else {}
@@ -363,58 +361,7 @@ def run_chat(session: ChatSession, stdin: TextIO | None = None, out: TextIO | No
     return answered
 
 
-app = typer.Typer(help="Interactive chat on one bounded, streaming KV cache.", add_completion=False)
+if __name__ == "__main__":  # python -m h2o_kv.chat: the same as h2o-kv chat
+    from .cli import app
 
-
-@app.callback(invoke_without_command=True)
-def chat(
-    heavy: int = typer.Option(256, help="Heavy-hitter entries kept per layer and KV head."),
-    recent: int = typer.Option(256, help="Most recent entries kept per layer and KV head."),
-    policy: str = typer.Option(
-        "h2o", help=f"Eviction policy (bounded): {', '.join(p for p in POLICIES if p != 'full')}."
-    ),
-    streaming: bool = typer.Option(
-        True, "--streaming/--no-streaming", help="Re-rotate keys inside the cache (never exceed the model window)."
-    ),
-    system: str = typer.Option(None, help="System prompt (default: the chat template's own)."),
-    max_new_tokens: int = typer.Option(256, help="Longest reply in tokens."),
-    temperature: float = typer.Option(0.0, help="Sampling temperature; 0 = greedy."),
-    top_p: float = typer.Option(0.9, help="Nucleus sampling mass (with --temperature > 0)."),
-    model: str = typer.Option(None, help="Local HF model directory or cached Hub id (default: SmolLM2-135M-Instruct)."),
-    dtype: str = typer.Option(None, help="float32 / float16 / bfloat16 (default: float32 on CPU)."),
-    device: str = typer.Option(None, help="cpu / cuda (default: cuda when available)."),
-):
-    """Chat with the model in the terminal; the whole conversation lives in one bounded cache.
-
-    Type a message and press Enter. /reset forgets the conversation, /stats shows the cache, /quit (or Ctrl-D)
-    leaves; Ctrl-C stops the reply being written. Works with piped input: `printf 'Hi\\n/stats\\n' | h2o-kv chat`.
-    """
-    try:  # check the settings before the model is loaded
-        H2OCache(heavy=heavy, recent=recent, policy=policy, streaming=streaming)
-        if max_new_tokens < 1:
-            raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
-        if temperature < 0 or not 0 < top_p <= 1:
-            raise ValueError(f"--temperature must be >= 0 and --top-p in (0, 1], got {temperature}, {top_p}")
-    except ValueError as err:
-        raise typer.BadParameter(str(err)) from err
-    from transformers.utils import logging
-
-    from .models import load_model
-
-    logging.disable_progress_bar()
-    if hasattr(sys.stdin, "reconfigure"):  # a line that is not UTF-8 becomes U+FFFD instead of an error
-        sys.stdin.reconfigure(errors="replace")
-    try:
-        loaded, tokenizer = load_model(model, dtype=dtype, device=device)
-        session = ChatSession(
-            loaded, tokenizer, heavy=heavy, recent=recent, policy=policy, streaming=streaming, system=system,
-            max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-        )  # fmt: skip
-    except (ValueError, FileNotFoundError) as err:
-        typer.echo(f"error: {err}", err=True)
-        raise typer.Exit(2) from err
-    run_chat(session)
-
-
-if __name__ == "__main__":
-    app()
+    app(["chat", *sys.argv[1:]], prog_name="h2o-kv")

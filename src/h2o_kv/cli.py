@@ -1,25 +1,157 @@
-"""The ``h2o-kv`` command line."""
+"""The ``h2o-kv`` command line: ``generate``, ``chat``, and the ``eval`` and ``bench`` groups.
+
+Parsing and checking the options imports neither torch nor transformers, so ``--help`` and input errors answer at
+once; the library loads only for valid input, and the ``eval``/``bench`` groups are imported only when invoked. An
+input error is one line on stderr (``error: ...``, exit status 2); a notice from the library is one ``note: ...``
+line on stderr, shown once.
+"""
 
 from __future__ import annotations
 
+import importlib
+import os
+import re
 import sys
 import time
 import warnings
 from pathlib import Path
+from typing import Literal
 
 import typer
+from typer.core import TyperGroup
 
-from .policies import POLICIES
+from .budget import Budget
 
-app = typer.Typer(help="H2O (Heavy-Hitter Oracle) KV-cache eviction for Hugging Face models.", no_args_is_help=True)
+try:  # typer vendors click since 0.2x
+    from typer._click import exceptions as click_errors
+except ImportError:  # pragma: no cover - older typer
+    from click import exceptions as click_errors
+
+# the names registered in h2o_kv.policies.POLICIES (importing it imports torch; a test keeps the two equal)
+POLICY_NAMES = ("h2o", "local", "sink", "full", "tova", "snapkv", "random", "h2o_mean")
+DTYPE_NAMES = ("float32", "float16", "bfloat16", "fp32", "fp16", "bf16")  # h2o_kv.models' dtypes (tested)
+PolicyName = Literal[POLICY_NAMES]
+BoundedPolicyName = Literal[tuple(name for name in POLICY_NAMES if name != "full")]
+DtypeName = Literal[DTYPE_NAMES]
+
+# name -> (module holding its typer `app`, the help line `h2o-kv --help` shows without importing the module)
+LAZY_GROUPS = {
+    "eval": ("h2o_kv.eval.cli", "Quality at a given KV budget, on real data."),
+    "bench": ("h2o_kv.bench.cli", "Benchmark decode speed, end-to-end throughput and memory of KV-cache policies."),
+}
+
+
+def lazy_group(name: str):
+    """The click command of the group ``name`` of :data:`LAZY_GROUPS` (imports its module)."""
+    command = typer.main.get_command(importlib.import_module(LAZY_GROUPS[name][0]).app)
+    command.name = name
+    return command
+
+
+class _Group(TyperGroup):
+    """The top-level group: mounts :data:`LAZY_GROUPS` lazily and prints every usage error as one line."""
+
+    def list_commands(self, ctx):
+        return [*super().list_commands(ctx), *LAZY_GROUPS]
+
+    def get_command(self, ctx, name):
+        if name in LAZY_GROUPS:  # a stand-in for the command list of `--help`; resolve_command loads the group
+            return TyperGroup(name=name, help=LAZY_GROUPS[name][1])
+        return super().get_command(ctx, name)
+
+    def resolve_command(self, ctx, args):
+        name, command, rest = super().resolve_command(ctx, args)
+        return name, lazy_group(name) if name in LAZY_GROUPS else command, rest
+
+    def invoke(self, ctx):
+        super().invoke(ctx)  # a command's return value is not an exit status (as in click's standalone mode)
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            status = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click_errors.NoArgsIsHelpError as err:  # `h2o-kv` alone: the help
+            err.show()
+            sys.exit(err.exit_code)
+        except click_errors.ClickException as err:
+            typer.echo(f"error: {' '.join(err.format_message().split())}", err=True)
+            sys.exit(err.exit_code)
+        except typer.Abort:
+            typer.echo("Aborted.", err=True)
+            sys.exit(1)
+        sys.exit(status or 0)
+
+
+app = typer.Typer(
+    cls=_Group,
+    help="H2O (Heavy-Hitter Oracle) KV-cache eviction for Hugging Face models.",
+    no_args_is_help=True,
+    pretty_exceptions_show_locals=False,
+)
 
 
 @app.callback()
 def _root():
     """h2o-kv: bounded-memory generation and evaluation with H2O and baseline eviction policies."""
-    from transformers.utils import logging
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' per-tensor loading bars
 
-    logging.disable_progress_bar()
+
+def fail(message: str):
+    """An input error: ``error: message`` on stderr, exit status 2 (raise what this returns)."""
+    return click_errors.UsageError(message)
+
+
+def as_options(message: str, *names: str, assigned: bool = False) -> str:
+    """A library message in command-line terms: the parameter ``heavy`` becomes the option ``--heavy`` (with
+    ``assigned``: only in ``heavy=4``, which becomes ``--heavy 4``)."""
+    pattern = rf"\b({'|'.join(names)})" + ("=" if assigned else r"\b")
+    return re.sub(pattern, lambda m: f"--{m[1].replace('_', '-')}" + (" " if assigned else ""), message)
+
+
+def check_budget(policy: str, budget: float | None, heavy: int | None, recent: int | None) -> Budget | None:
+    """The budget of the options (None for ``--policy full``), checked before anything heavy is imported."""
+    if policy == "full":
+        if budget is not None or heavy is not None or recent is not None:
+            raise fail("--policy full keeps every entry: give no --budget, --heavy or --recent")
+        return None
+    try:
+        return Budget.of(budget, heavy, recent)
+    except ValueError as err:
+        raise fail(as_options(str(err), "budget", "heavy", "recent")) from None
+
+
+class Notes:
+    """While active, every warning prints as one ``note: ...`` line on stderr, each text once; call it for a note of
+    the command's own. (The command line has no user code for a warning to point at.)"""
+
+    def __init__(self):
+        self.shown: set[str] = set()
+        self._catch = warnings.catch_warnings()
+
+    def __call__(self, text: str) -> None:
+        text = " ".join(str(text).split())
+        if text not in self.shown:
+            self.shown.add(text)
+            print(f"note: {text}", file=sys.stderr, flush=True)
+
+    def __enter__(self):
+        self._catch.__enter__()  # Python's filters stay (library DeprecationWarnings stay hidden)
+        warnings.showwarning = lambda message, *args, **kwargs: self(message)
+        return self
+
+    def __exit__(self, *exc):
+        return self._catch.__exit__(*exc)
+
+
+def load(model: str | None, dtype: str | None, device: str | None):
+    """``h2o_kv.load_model`` with its input errors as command-line errors."""
+    from .models import load_model
+
+    try:
+        return load_model(model, dtype=dtype, device=device)
+    except (ValueError, FileNotFoundError) as err:
+        raise fail(as_options(str(err), "model", "dtype", "device", assigned=True)) from None
 
 
 def _mib(n: int) -> str:
@@ -48,83 +180,90 @@ class _TimingStreamer:
             self.text.end()
 
 
-def build_cache(policy: str, budget: float | None, heavy: int | None, recent: int | None, **options):
-    """The cache for the command-line options (a stock ``DynamicCache`` for ``--policy full`` without budget)."""
-    from .hf.cache import H2OCache
+MODEL_HELP = "Local HF model directory, or a Hub id already in the local HF cache (h2o-kv loads offline)."
+GENERATE_EXAMPLES = """Examples:
 
-    if budget is None and heavy is None and recent is None and policy != "full":
-        raise typer.BadParameter("give --budget (a ratio in (0, 1]) or --heavy and --recent (token counts)")
-    try:
-        return H2OCache(heavy=heavy, recent=recent, budget=budget, policy=policy, **options)
-    except ValueError as err:
-        raise typer.BadParameter(str(err)) from err
+  h2o-kv generate "Explain the water cycle." --chat --heavy 32 --recent 32
+
+  h2o-kv generate --file book.txt --max-prompt-tokens 2048 --budget 0.2
+"""
 
 
-@app.command()
+@app.command(
+    help="Generate text with a bounded KV cache and print one summary line (entries, memory, speed).\n\n"
+    "The KV budget is required (except with --policy full): either --budget B (a ratio of the prompt) or --heavy H "
+    "and --recent R (H + R entries per layer and KV head).",
+    epilog=GENERATE_EXAMPLES,
+)
 def generate(
-    prompt: str = typer.Argument(None, help="The prompt text (or use --file)."),
-    file: Path = typer.Option(None, "--file", "-f", help="Read the prompt from this text file."),
-    max_prompt_tokens: int = typer.Option(None, help="Keep only the first N tokens of the prompt."),
-    budget: float = typer.Option(None, help="KV budget as a ratio in (0, 1] of the prompt length: H = R = B*L/2."),
-    heavy: int = typer.Option(None, help="Heavy-hitter entries kept per layer and KV head."),
-    recent: int = typer.Option(None, help="Most recent entries kept per layer and KV head."),
-    policy: str = typer.Option("h2o", help=f"Eviction policy: {', '.join(POLICIES)}."),
-    model: str = typer.Option(None, help="Local HF model directory or cached Hub id (default: SmolLM2-135M-Instruct)."),
+    prompt: str = typer.Argument(None, help="The prompt text (or --file).", show_default=False),
+    file: Path = typer.Option(
+        None, "--file", "-f", exists=True, dir_okay=False, readable=True, help="Read the prompt from this text file."
+    ),
+    max_prompt_tokens: int = typer.Option(
+        None, min=1, help="Keep only the first N tokens of the prompt.", show_default="the whole prompt"
+    ),
+    budget: float = typer.Option(
+        None,
+        help="KV budget as a ratio in (0, 1] of the prompt length L, as in the H2O paper (20% = 0.2): heavy = recent "
+        "= floor(B*L/2), at least 1 each, fixed for the whole generation. A chat prompt is a few dozen tokens, so a "
+        "ratio of it keeps only a handful of entries: give --heavy/--recent for short prompts.",
+        show_default=False,
+    ),
+    heavy: int = typer.Option(None, min=0, help="Heavy-hitter entries kept per layer and KV head (with --recent)."),
+    recent: int = typer.Option(None, min=0, help="Most recent entries kept per layer and KV head (with --heavy)."),
+    policy: PolicyName = typer.Option("h2o", help="Eviction policy; full keeps every entry and takes no budget."),
+    model: str = typer.Option(None, help=MODEL_HELP, show_default="SmolLM2-135M-Instruct"),
     chat: bool = typer.Option(False, "--chat", help="Apply the model's chat template to the prompt."),
     max_new_tokens: int = typer.Option(128, min=1, help="Tokens to generate."),
-    dtype: str = typer.Option(None, help="float32 / float16 / bfloat16 (default: float32 on CPU)."),
-    device: str = typer.Option(None, help="cpu / cuda (default: cuda when available)."),
+    dtype: DtypeName = typer.Option(None, case_sensitive=False, show_default="float32 on CPU, bfloat16 on CUDA"),
+    device: str = typer.Option(None, help="cpu, cuda, cuda:N or mps.", show_default="cuda when available, else cpu"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the summary line."),
 ):
-    """Generate text with a bounded KV cache and print one summary line (entries, memory, speed)."""
-    import torch
-
-    from .hf.compat import cache_kwargs
-    from .models import load_model, model_context_length
-
+    """Generate text with a bounded KV cache and print one summary line (the help text is above)."""
+    rule = check_budget(policy, budget, heavy, recent)
     if file is not None:
         if prompt is not None:
-            raise typer.BadParameter("give the prompt either as an argument or with --file, not both")
-        if not file.is_file():
-            raise typer.BadParameter(f"--file {file} does not exist")
+            raise fail("give the prompt either as an argument or with --file, not both")
         prompt = file.read_text(errors="replace")
     if prompt is None or not prompt.strip():
-        raise typer.BadParameter("the prompt is empty: pass some text or --file")
-    if policy not in POLICIES:
-        raise typer.BadParameter(f"--policy must be one of {', '.join(POLICIES)}; got {policy!r}")
-    if max_prompt_tokens is not None and max_prompt_tokens < 1:
-        raise typer.BadParameter(f"--max-prompt-tokens must be >= 1, got {max_prompt_tokens}")
-    cache = build_cache(policy, budget, heavy, recent)
-    try:
-        lm, tokenizer = load_model(model, dtype=dtype, device=device)
-    except (ValueError, FileNotFoundError) as err:
-        raise typer.BadParameter(str(err)) from err
-    if tokenizer is None:
-        raise typer.BadParameter(f"--model {model} has no tokenizer files; generate needs one")
-    if chat:
-        if not tokenizer.chat_template:
-            raise typer.BadParameter(f"--chat: the model {model or 'default'} has no chat template")
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                             add_generation_prompt=True)  # fmt: skip
-        inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False)
-    else:
-        inputs = tokenizer(prompt, return_tensors="pt")
-    if max_prompt_tokens is not None:
-        inputs = {key: value[:, :max_prompt_tokens] for key, value in inputs.items()}
-    length = inputs["input_ids"].shape[1]
-    context = model_context_length(lm)
-    if length + max_new_tokens > context:
-        raise typer.BadParameter(
-            f"prompt ({length} tokens) + --max-new-tokens ({max_new_tokens}) exceeds the model's context of "
-            f"{context} tokens; shorten the prompt (--max-prompt-tokens) or generate fewer tokens"
-        )
-    inputs = {key: value.to(lm.device) for key, value in inputs.items()}
-    streamer = _TimingStreamer(tokenizer, echo=not quiet)
-    start = time.perf_counter()
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("always")
-        output = lm.generate(**inputs, **cache_kwargs(cache), max_new_tokens=max_new_tokens, do_sample=False,
-                             streamer=streamer, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+        raise fail("the prompt is empty: give some text or --file")
+    with Notes() as note:
+        import torch
+
+        from .hf.cache import H2OBudgetWarning, H2OCache
+        from .hf.compat import cache_kwargs
+        from .models import model_context_length
+
+        warnings.filterwarnings("ignore", category=H2OBudgetWarning)  # said below in terms of the options
+        lm, tokenizer = load(model, dtype, device)
+        if tokenizer is None:
+            raise fail(f"--model {model} has no tokenizer files; generate needs one")
+        if chat:
+            if not tokenizer.chat_template:
+                raise fail(f"--chat: the model {model or 'default'} has no chat template")
+            prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                   add_generation_prompt=True)  # fmt: skip
+        # verbose=False: a long --file is cut to --max-prompt-tokens below; the context is checked below
+        inputs = tokenizer(prompt, return_tensors="pt", add_special_tokens=not chat, verbose=False)
+        if max_prompt_tokens is not None:
+            inputs = {key: value[:, :max_prompt_tokens] for key, value in inputs.items()}
+        length = inputs["input_ids"].shape[1]
+        context = model_context_length(lm)
+        if length + max_new_tokens > context:
+            raise fail(
+                f"prompt ({length} tokens) + --max-new-tokens ({max_new_tokens}) exceeds the model's context of "
+                f"{context} tokens; shorten the prompt (--max-prompt-tokens) or generate fewer tokens"
+            )
+        if rule is not None:
+            budget_notes(note, rule, length, max_new_tokens)
+        cache = H2OCache(heavy=heavy, recent=recent, budget=budget, policy=policy)
+        inputs = {key: value.to(lm.device) for key, value in inputs.items()}
+        streamer = _TimingStreamer(tokenizer, echo=not quiet)
+        start = time.perf_counter()
+        with torch.no_grad():
+            output = lm.generate(**inputs, **cache_kwargs(cache), max_new_tokens=max_new_tokens, do_sample=False,
+                                 streamer=streamer, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
     end = time.perf_counter()
     generated = output.shape[1] - length
     stats = cache.stats()
@@ -140,18 +279,63 @@ def generate(
     print(("\n" if not quiet else "") + summary, file=sys.stdout)
 
 
-def _mount() -> None:
-    """Mount the command groups that live next to what they drive: eval, bench, chat."""
-    from .bench.cli import app as bench_app
-    from .chat import app as chat_app
-    from .eval.cli import app as eval_app
+def budget_notes(note, rule: Budget, length: int, max_new_tokens: int) -> None:
+    """Say when the budget is unusual for this prompt: a ratio of a prompt shorter than the answer, or a budget that
+    covers the whole prompt (nothing is evicted at first)."""
+    heavy, recent = rule.split(length)
+    kept = heavy + recent
+    if rule.is_ratio and length < max_new_tokens:
+        note(
+            f"--budget {rule.ratio} of this {length}-token prompt keeps {heavy} heavy + {recent} recent entries per "
+            f"layer and KV head for the {max_new_tokens} tokens to generate; for a short prompt (a chat) give "
+            "--heavy and --recent instead, e.g. --heavy 32 --recent 32"
+        )
+    elif kept >= length:
+        options = f"--budget {rule.ratio}" if rule.is_ratio else f"--heavy {heavy} --recent {recent}"
+        note(
+            f"{options} keeps {kept} entries per layer and KV head, the whole {length}-token prompt: nothing is "
+            f"evicted until the sequence is longer than {kept} tokens"
+        )
 
-    app.add_typer(eval_app, name="eval")
-    app.add_typer(bench_app, name="bench")
-    app.add_typer(chat_app, name="chat")
 
+@app.command(
+    help="Chat with the model in the terminal; the whole conversation lives in one bounded cache.\n\n"
+    "Type a message and press Enter. /reset forgets the conversation, /stats shows the cache, /quit (or Ctrl-D) "
+    "leaves; Ctrl-C stops the reply being written. Works with piped input: printf 'Hi\\n/stats\\n' | h2o-kv chat"
+)
+def chat(
+    heavy: int = typer.Option(256, min=0, help="Heavy-hitter entries kept per layer and KV head."),
+    recent: int = typer.Option(256, min=0, help="Most recent entries kept per layer and KV head."),
+    policy: BoundedPolicyName = typer.Option("h2o", help="Eviction policy (a bounded one)."),
+    streaming: bool = typer.Option(
+        True, "--streaming/--no-streaming", help="Re-rotate keys inside the cache (never exceed the model's window)."
+    ),
+    system: str = typer.Option(None, help="System prompt.", show_default="the chat template's own"),
+    max_new_tokens: int = typer.Option(256, min=1, help="Longest reply in tokens."),
+    temperature: float = typer.Option(0.0, min=0.0, help="Sampling temperature; 0 = greedy."),
+    top_p: float = typer.Option(0.9, help="Nucleus sampling mass in (0, 1] (with --temperature > 0)."),
+    model: str = typer.Option(None, help=MODEL_HELP, show_default="SmolLM2-135M-Instruct"),
+    dtype: DtypeName = typer.Option(None, case_sensitive=False, show_default="float32 on CPU, bfloat16 on CUDA"),
+    device: str = typer.Option(None, help="cpu, cuda, cuda:N or mps.", show_default="cuda when available, else cpu"),
+):
+    """Chat in the terminal (the help text is above)."""
+    check_budget(policy, None, heavy, recent)
+    if not 0 < top_p <= 1:
+        raise fail(f"--top-p must be in (0, 1], got {top_p}")
+    with Notes():
+        from .chat import ChatSession, run_chat
 
-_mount()
+        loaded, tokenizer = load(model, dtype, device)
+        try:
+            session = ChatSession(
+                loaded, tokenizer, heavy=heavy, recent=recent, policy=policy, streaming=streaming, system=system,
+                max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+            )  # fmt: skip
+        except ValueError as err:
+            raise fail(str(err)) from None
+        if hasattr(sys.stdin, "reconfigure"):  # a line that is not UTF-8 becomes U+FFFD instead of an error
+            sys.stdin.reconfigure(errors="replace")
+        run_chat(session)
 
 
 def main():  # pragma: no cover - console entry point

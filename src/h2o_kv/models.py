@@ -98,7 +98,7 @@ def enable_h2o(model):
 
 
 def load_model(
-    name_or_path: str | os.PathLike | None = None,
+    model: str | os.PathLike | None = None,
     *,
     dtype: torch.dtype | str | None = None,
     device: torch.device | str | None = None,
@@ -106,7 +106,7 @@ def load_model(
     """Load a supported causal LM and its tokenizer, offline, with H2O attention enabled.
 
     Args:
-        name_or_path: ``None`` or ``"SmolLM2-135M-Instruct"`` for the default model, a local directory
+        model: ``None`` or ``"SmolLM2-135M-Instruct"`` for the default model, a local directory
             written by ``save_pretrained``, or a Hub model id already present in the local Hugging Face cache.
         dtype: weight dtype: a torch dtype or one of ``float32/fp32/float16/fp16/bfloat16/bf16``.
             Defaults to float32 on CPU and bfloat16 on CUDA.
@@ -117,27 +117,27 @@ def load_model(
     """
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
-    path = model_dir(name_or_path)
+    path = model_dir(model)
     check_supported(AutoConfig.from_pretrained(path, local_files_only=True))
     with _quiet_loading():
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
-    model.to(device).eval()
+        loaded = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    loaded.to(device).eval()
     if device.type == "cpu":
         kernels.available()  # build the fused decode kernels now (once per machine), not inside the first decode step
-    return enable_h2o(model), _tokenizer_in(path)
+    return enable_h2o(loaded), _tokenizer_in(path)
 
 
-def model_dir(name_or_path: str | os.PathLike | None = None) -> pathlib.Path:
+def model_dir(model: str | os.PathLike | None = None) -> pathlib.Path:
     """The local directory of a model, as :func:`load_model` resolves it (the default model is dequantized on first
     use); raises ``FileNotFoundError`` when it is neither a directory nor in the local Hugging Face cache."""
-    if name_or_path is None or str(name_or_path) == DEFAULT_MODEL:
+    if model is None or str(model) == DEFAULT_MODEL:
         return _ensure_default_model()
-    return _resolve_local(name_or_path)
+    return _resolve_local(model)
 
 
-def load_tokenizer(name_or_path: str | os.PathLike | None = None):
+def load_tokenizer(model: str | os.PathLike | None = None):
     """The model's tokenizer without its weights, offline; ``None`` when the directory holds no tokenizer files."""
-    return _tokenizer_in(model_dir(name_or_path))
+    return _tokenizer_in(model_dir(model))
 
 
 def _tokenizer_in(path: pathlib.Path):
@@ -187,19 +187,19 @@ def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
     raise ValueError(f"unsupported dtype={dtype!r}; expected a torch float dtype or one of {', '.join(_DTYPES)}")
 
 
-def _resolve_local(name_or_path) -> pathlib.Path:
-    """A local model directory for ``name_or_path``, looking in the local Hugging Face cache for Hub ids."""
-    path = pathlib.Path(name_or_path).expanduser()
+def _resolve_local(model) -> pathlib.Path:
+    """A local model directory for ``model``, looking in the local Hugging Face cache for Hub ids."""
+    path = pathlib.Path(model).expanduser()
     if path.is_dir():
         return path
     from huggingface_hub import snapshot_download
 
     try:
-        return pathlib.Path(snapshot_download(str(name_or_path), local_files_only=True))
+        return pathlib.Path(snapshot_download(str(model), local_files_only=True))
     except (OSError, ValueError) as err:
         raise FileNotFoundError(
-            f"name_or_path={str(name_or_path)!r} is neither a local directory nor a model in the local Hugging "
-            "Face cache (h2o-kv loads offline; download it first, e.g. with `hf download`)"
+            f"model={str(model)!r} is neither a local directory nor a model in the local Hugging Face cache (h2o-kv "
+            "loads offline; download it first, e.g. with `hf download`)"
         ) from err
 
 
