@@ -9,6 +9,7 @@ line on stderr, shown once.
 from __future__ import annotations
 
 import importlib
+import math
 import os
 import re
 import sys
@@ -36,7 +37,7 @@ DtypeName = Literal[DTYPE_NAMES]
 
 # name -> (module holding its typer `app`, the help line `h2o-kv --help` shows without importing the module)
 LAZY_GROUPS = {
-    "eval": ("h2o_kv.eval.cli", "Quality at a given KV budget, on real data."),
+    "eval": ("h2o_kv.eval.cli", "Quality at a given KV setting, on real data."),
     "bench": ("h2o_kv.bench.cli", "Benchmark decode speed, end-to-end throughput and memory of KV-cache policies."),
 }
 
@@ -219,6 +220,9 @@ def generate(
     dtype: DtypeName = typer.Option(None, case_sensitive=False, show_default="float32 on CPU, bfloat16 on CUDA"),
     device: str = typer.Option(None, help="cpu, cuda, cuda:N or mps.", show_default="cuda when available, else cpu"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the summary line."),
+    json_path: Path = typer.Option(
+        None, "--json", dir_okay=False, help="Also write the summary as a result record (commit, versions, command)."
+    ),
 ):
     """Generate text with a bounded KV cache and print one summary line (the help text is above)."""
     rule = check_budget(policy, budget, heavy, recent)
@@ -277,6 +281,16 @@ def generate(
         f"{decode_rate:.1f} tok/s decode"
     )
     print(("\n" if not quiet else "") + summary, file=sys.stdout)
+    if json_path is not None:
+        from . import records
+
+        fields = {
+            "policy": policy, "budget": budget, "model": model or "SmolLM2-135M-Instruct",
+            "prompt_tokens": length, "new_tokens": generated, "prompt_seconds": first - start,
+            "seconds": end - start, "end_to_end_tok_s": generated / (end - start), "decode_tok_s": None if math.isnan(decode_rate) else decode_rate,
+            "cache": stats, "text": tokenizer.decode(output[0, length:], skip_special_tokens=True),
+        }  # fmt: skip
+        records.write(json_path, "generate", fields, device=lm.device)
 
 
 def budget_notes(note, rule: Budget, length: int, max_new_tokens: int) -> None:
