@@ -287,7 +287,8 @@ def generate(
         fields = {
             "policy": policy, "budget": budget, "model": model or "SmolLM2-135M-Instruct",
             "prompt_tokens": length, "new_tokens": generated, "prompt_seconds": first - start,
-            "seconds": end - start, "end_to_end_tok_s": generated / (end - start), "decode_tok_s": None if math.isnan(decode_rate) else decode_rate,
+            "seconds": end - start, "end_to_end_tok_s": generated / (end - start),
+            "decode_tok_s": None if math.isnan(decode_rate) else decode_rate,
             "cache": stats, "text": tokenizer.decode(output[0, length:], skip_special_tokens=True),
         }  # fmt: skip
         records.write(json_path, "generate", fields, device=lm.device)
