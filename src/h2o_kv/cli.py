@@ -38,7 +38,7 @@ DtypeName = Literal[DTYPE_NAMES]
 # name -> (module holding its typer `app`, the help line `h2o-kv --help` shows without importing the module)
 LAZY_GROUPS = {
     "eval": ("h2o_kv.eval.cli", "Quality at a given KV setting, on real data."),
-    "bench": ("h2o_kv.bench.cli", "Benchmark decode speed, end-to-end throughput and memory of KV-cache policies."),
+    "bench": ("h2o_kv.bench.cli", "Benchmark decode speed, end-to-end throughput and memory of KV settings."),
 }
 
 
