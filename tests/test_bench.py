@@ -6,6 +6,7 @@ import importlib.util
 
 import pytest
 import torch
+from helpers import needs_data
 from transformers import DynamicCache
 
 from h2o_kv import H2OCache
@@ -14,6 +15,8 @@ from h2o_kv.bench.cli import app
 from h2o_kv.bench.harness import BenchConfig
 from h2o_kv.hf.compat import cache_kwargs
 from h2o_kv.setting import is_bounded
+
+PG19 = needs_data("pg19")  # the bench prompts are PG-19 text
 
 SMALL = dict(context=64, batch=2, new_tokens=5)
 
@@ -29,6 +32,7 @@ def tiny():
     return workload.load_bench_model("random:tiny", device="cpu")
 
 
+@PG19
 def test_prompts_are_real_text_distinct_and_deterministic(tiny):
     ids = workload.make_prompts(tiny.tokenizer, 3, 50)
     assert ids.shape == (3, 50) and ids.dtype == torch.long
@@ -40,6 +44,7 @@ def test_prompts_are_real_text_distinct_and_deterministic(tiny):
         workload.make_prompts(tiny.tokenizer, 1, 0)
 
 
+@PG19
 @pytest.mark.parametrize("policy", ["dynamic", "full", "h2o", "sink"])
 def test_greedy_loop_equals_model_generate(tiny, policy):
     """The harness' decode loop produces exactly the tokens of ``model.generate`` with the same cache."""
@@ -61,6 +66,7 @@ def test_greedy_loop_equals_model_generate(tiny, policy):
     assert torch.equal(tokens, expected)
 
 
+@PG19
 def test_measure_reports_consistent_numbers(tiny):
     full = harness.measure(tiny, config("dynamic"))
     h2o = harness.measure(tiny, config("h2o"))
@@ -78,6 +84,7 @@ def test_measure_reports_consistent_numbers(tiny):
     assert h2o["cache_bytes_end"] > h2o["kv_bytes_end"]
 
 
+@PG19
 def test_replicated_prefill_decodes_the_full_batch(tiny):
     r = harness.measure(tiny, config("h2o", batch=4, new_tokens=3, prefill_batch=2))
     assert r["prefill_rows"] == 2 and r["e2e_tok_s"] is None
@@ -117,6 +124,7 @@ def test_config_validation():
         config("h2o", batch=3, prefill_batch=2)
 
 
+@PG19
 def test_grid_alternates_resumes_and_fits_a_memory_limit(tiny, tmp_path):
     settings = runner.RunSettings(model="random:tiny", device="cpu", isolate="none")
     inner = runner.Executor(settings)
@@ -155,6 +163,7 @@ def test_grid_alternates_resumes_and_fits_a_memory_limit(tiny, tmp_path):
     assert report.plot(rows, tmp_path / "p.png").stat().st_size > 0
 
 
+@PG19
 def test_worker_process_measures_one_configuration():
     executor = runner.Executor(runner.RunSettings(model="random:tiny", device="cpu", isolate="process"))
     result = executor(config("local", context=32, batch=1, new_tokens=3))
@@ -162,6 +171,7 @@ def test_worker_process_measures_one_configuration():
     assert result["memory_method"] in ("rss_hwm", "rss_sampled_1ms") and result["decode_steps"] == 2
 
 
+@PG19
 def test_profile_split_adds_up(tiny):
     from h2o_kv.bench.profile import profile_decode
 
