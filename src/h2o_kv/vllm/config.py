@@ -52,6 +52,13 @@ class ServeConfig:
         """``(heavy, recent)`` for a request whose prompt has ``prompt_length`` tokens."""
         return self.as_budget().split(prompt_length)
 
+    def engine_args(self) -> dict[str, object]:
+        """vLLM engine options this setting needs (``vllm.LLM(**...)``; ``h2o-kv serve`` passes them as flags).
+
+        An evicting setting compacts each request's kept entries into its own blocks, which must never be shared:
+        no prefix caching."""
+        return {"enable_prefix_caching": False} if self.evicts else {}
+
     def to_env(self) -> str:
         return json.dumps({key: value for key, value in asdict(self).items() if value is not None})
 
