@@ -86,7 +86,8 @@ def _entries_for(request_id: str, request_state) -> RequestEntries | None:
         params = request_state.sampling_params
         config = patches.request_config(params.extra_args if params is not None else None)
         policy = config.make_policy(request_state.num_prompt_tokens) if config is not None else None
-        if policy is None:
+        longest = request_state.num_prompt_tokens + ((params.max_tokens or 0) if params is not None else 0)
+        if policy is None or policy.capacity >= longest:  # nothing to evict: vLLM's kernel as it is
             return None
         entries = _REQUESTS[request_id] = RequestEntries(policy, request_state.num_prompt_tokens)
     return entries
@@ -183,7 +184,8 @@ class H2OAttentionImpl(CPUAttentionBackendImpl):
         rows_query = query[span].transpose(0, 1).unsqueeze(0)  # [1, q_heads, queries, head_dim]
         out, mass, last = attention_with_mass(
             rows_query, keys[None], values[None], pos[None], None, row.column, self.scale,
-            need_mass=policy.needs_attention, window=policy.observation_window, chunk_start=row.slots - row.queries if row.prompt else None,
+            need_mass=policy.needs_attention, window=policy.observation_window,
+            chunk_start=row.slots - row.queries if row.prompt else None,
         )  # fmt: skip
         output[span] = out[0].reshape(output[span].shape)
         if row.prompt:
@@ -209,7 +211,8 @@ class H2OAttentionImpl(CPUAttentionBackendImpl):
         pos = torch.arange(total).expand(1, kv_heads, total)
         keep = int(min(policy.capacity, total))
         if keep < total:
-            view = EntryView(pos, torch.ones_like(pos, dtype=torch.bool), scores, total, torch.zeros(1, dtype=torch.long),
+            valid = torch.ones_like(pos, dtype=torch.bool)
+            view = EntryView(pos, valid, scores, total, torch.zeros(1, dtype=torch.long),
                              keys[None] if policy.needs_keys else None)  # fmt: skip
             index = policy.keep_score(view).topk(keep, dim=-1).indices[0]  # [kv_heads, keep]
             gather = index[..., None].expand(-1, -1, keys.shape[-1])

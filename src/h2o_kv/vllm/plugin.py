@@ -19,5 +19,7 @@ def register() -> None:
 
     patches.install()  # refuses an untested vLLM first
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+    from vllm.v1.attention.selector import _cached_get_attn_backend
 
     register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND)
+    _cached_get_attn_backend.cache_clear()  # a backend chosen before (an engine without the setting) is forgotten
