@@ -3,11 +3,13 @@ bound read from the engine, overload, aborts, per-request settings and refusals.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import pytest
 
-pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'h2o-kv[vllm]', see docs/vllm.md)")
+if getattr(importlib.util.find_spec("vllm"), "origin", None) is None:  # not installed, or only tests/vllm (namespace)
+    pytest.skip("vLLM is not installed (pip install 'h2o-kv[vllm]', see docs/vllm.md)", allow_module_level=True)
 
 from engines import BLOCK, Watch, engine, generate, random_prompts, reference
 from tiny import make_tiny_llama
@@ -150,6 +152,9 @@ def test_invalid_request_setting_is_a_validation_error(llm):
 def test_prefix_caching_and_speculative_decoding_are_refused(tiny):
     with pytest.raises(ValueError, match="enable_prefix_caching must be off"):
         with engine(tiny[0], SETTING, enable_prefix_caching=True):
+            pass
+    with pytest.raises(ValueError, match="needs dtype float32 and kv_cache_dtype auto.*got dtype bfloat16"):
+        with engine(tiny[0], SETTING, dtype="bfloat16"):
             pass
     spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
     with pytest.raises(ValueError, match="speculative decoding is not supported"):

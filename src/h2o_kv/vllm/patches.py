@@ -4,7 +4,7 @@ Installed by the plugin (:mod:`h2o_kv.vllm.plugin`) in every vLLM process when a
 :func:`install` refuses any other vLLM version. What is patched and why:
 
 * ``EngineArgs.create_engine_config`` (API process): refuse what H2O cannot run with - prefix caching (a compacted
-  block must never be shared) and speculative decoding (a step of several tokens per request).
+  block must never be shared), speculative decoding (a step of several tokens per request), a cache other than fp32.
 * ``InputProcessor._validate_params`` (API process): a request's ``vllm_xargs`` H2O keys are checked before the
   request reaches the engine, so a bad value is an HTTP 400 naming the key, never an engine crash.
 * ``KVCacheManager.allocate_slots`` / ``free`` (engine core): note each request's :class:`Reservation`.
@@ -138,6 +138,12 @@ def _patch_engine_config() -> None:
                 raise ValueError(
                     "h2o-kv: enable_prefix_caching must be off with an evicting policy (compacted KV blocks cannot "
                     "be shared); pass enable_prefix_caching=False (--no-enable-prefix-caching)"
+                )
+            dtype, cache_dtype = str(config.model_config.dtype), config.cache_config.cache_dtype
+            if dtype != "torch.float32" or cache_dtype != "auto":
+                raise ValueError(
+                    f"h2o-kv: an evicting policy needs dtype float32 and kv_cache_dtype auto (the fp32 CPU cache "
+                    f"layout); got dtype {dtype.removeprefix('torch.')}, kv_cache_dtype {cache_dtype}"
                 )
             if config.speculative_config is not None:
                 raise ValueError("h2o-kv: speculative decoding is not supported with an evicting policy")
