@@ -118,6 +118,8 @@ class H2OAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
     def _plan(self, runner, common) -> list[tuple[int, Row]]:
         if self.isa != "vec":
             raise RuntimeError(f"h2o-kv's vLLM backend supports the fp32 KV cache only (the 'vec' ISA), not {self.isa}")
+        if len(runner.kv_cache_config.kv_cache_groups) != 1:
+            raise RuntimeError("h2o-kv's vLLM backend supports models with one (full-attention) KV cache group only")
         starts = common.query_start_loc_cpu.tolist()
         lengths = common.seq_lens.tolist()
         rows = []
