@@ -142,12 +142,11 @@ def test_api_key_is_enforced_and_only_loopback_is_bound(server):
 def test_short_soak_with_disconnects_and_bad_requests(server):
     from h2o_kv.bench.soak import SoakConfig, run_soak
     from h2o_kv.data import has_data
-    from h2o_kv.vllm.serve import plugin_installed
 
     if not has_data("pg19"):
         pytest.skip("the shared data folder (pg19) is missing: set $H2O_KV_DATA")
     cfg = SoakConfig(clients=5, duration_s=8, disconnect_fraction=0.4, max_tokens=(8, 24), warmup_fraction=0.5)
-    result = run_soak(server, cfg, api_key=API_KEY, context=CONTEXT, h2o_plugin=plugin_installed(),
+    result = run_soak(server, cfg, api_key=API_KEY, context=CONTEXT, h2o_active=False,
                       progress=lambda _: None)  # fmt: skip
     checks = result["checks"]
     accounting = result["accounting"]

@@ -327,7 +327,8 @@ def soak_cmd(
     log = pathlib.Path(tempfile.mkdtemp(prefix="h2o-kv-soak-")) / "server.log"
     console.print(f"soak: starting the server (log {log})")
     with ServerProcess(options, log=log) as server:
-        result = run_soak(server, cfg, api_key=key, context=max_model_len, h2o_plugin=plugin_installed(),
+        active = plugin_installed() and setting.config.evicts
+        result = run_soak(server, cfg, api_key=key, context=max_model_len, h2o_active=active,
                           progress=console.print)  # fmt: skip
         command = describe(server.argv, server.env)
     result.update(setting=setting.label, policy=setting.config.policy, kv_cache_gb=kv_cache_gb,

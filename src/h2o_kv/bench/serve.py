@@ -523,15 +523,17 @@ def plot(results: list[dict], path: Path, title: str) -> Path:
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6.5), sharex=True)
     for r in results:
         line = r.get("timeline") or {}
-        if not line.get("t"):
+        busy = [t for t, running in zip(line.get("t", []), line.get("running", []), strict=True) if running]
+        if not busy:
             continue
+        t = [x - busy[0] for x in line["t"]]  # from the first running request (the load generator starts first)
         tok_s = r.get("metrics", {}).get("output_throughput")
         label = r["setting"] + (f" ({tok_s:.1f} out tok/s)" if tok_s else "")
-        top.plot(line["t"], line["running"], label=label)
-        bottom.plot(line["t"], [100 * v for v in line["kv_usage"]], label=r["setting"])
+        top.plot(t, line["running"], label=label)
+        bottom.plot(t, [100 * v for v in line["kv_usage"]], label=r["setting"])
     top.set_ylabel("requests running")
     bottom.set_ylabel("KV-cache usage (%)")
-    bottom.set_xlabel("seconds since the load started")
+    bottom.set_xlabel("seconds since the first request started running")
     top.legend()
     top.set_title(title)
     fig.tight_layout()

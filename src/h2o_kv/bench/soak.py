@@ -130,7 +130,10 @@ async def _load(base_url: str, model: str, api_key: str | None, cfg: SoakConfig,
     import httpx
     import openai
 
-    limits = httpx.Limits(max_connections=cfg.clients + 8, max_keepalive_connections=cfg.clients + 8)
+    # idle connections expire before uvicorn's 5 s keep-alive timeout closes them (else a reused connection can be
+    # closed by the server just as a request is sent on it: a client-side connection error)
+    limits = httpx.Limits(max_connections=cfg.clients + 8, max_keepalive_connections=cfg.clients + 8,
+                          keepalive_expiry=2.0)  # fmt: skip
     http = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(600.0))
     client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key=api_key or "none", http_client=http,
                                 max_retries=0)  # fmt: skip
@@ -179,8 +182,10 @@ def healthy(base_url: str, model: str, api_key: str | None) -> bool:
     return status == 200
 
 
-def bad_requests(base_url: str, model: str, api_key: str | None, context: int, h2o_plugin: bool) -> list[dict]:
-    """Each bad request's status and message, and whether the server was healthy right after it."""
+def bad_requests(base_url: str, model: str, api_key: str | None, context: int, h2o_active: bool) -> list[dict]:
+    """Each bad request's status and message, and whether the server was healthy right after it. The per-request
+    H2O settings are checked only where the plugin is active (``h2o_active``: an evicting server setting); vLLM's
+    own cache ignores ``vllm_xargs`` it does not know."""
     chat = base_url + "/v1/chat/completions"
 
     def body(**fields) -> bytes:
@@ -205,8 +210,8 @@ def bad_requests(base_url: str, model: str, api_key: str | None, context: int, h
             "healthy_after": healthy(base_url, model, api_key),
         }
         row["ok"] = 400 <= status < 500 and bool(row["message"].strip()) and row["healthy_after"]
-        if name.startswith("invalid per-request") and not h2o_plugin:
-            row["ok"], row["note"] = None, "not applicable: the h2o-kv vLLM plugin is not installed"
+        if name.startswith("invalid per-request") and not h2o_active:
+            row["ok"], row["note"] = None, "not applicable: the server runs vLLM's own cache (no H2O plugin active)"
         rows.append(row)
     return rows
 
@@ -219,6 +224,20 @@ def auth_checks(base_url: str, model: str, api_key: str | None) -> dict:
     if api_key:
         out["wrong_key"] = _post(url, body, api_key + "-wrong")[0]
     out["ok"] = (out["no_key"] == 401 and out.get("wrong_key") == 401 and out["right_key"] == 200) if api_key else None
+    return out
+
+
+def rss_by_process(pid: int) -> dict[str, int]:
+    """RSS of each process of the server's tree, by ``name pid`` (which process grew)."""
+    import psutil
+
+    root = psutil.Process(pid)
+    out = {}
+    for process in [root, *root.children(recursive=True)]:
+        try:
+            out[f"{process.name()} {process.pid}"] = process.memory_info().rss
+        except psutil.NoSuchProcess:
+            pass
     return out
 
 
@@ -258,33 +277,37 @@ def check_outcomes(outcomes: list[dict], counted: dict[str, float]) -> dict:
     counts = {name: sum(row["outcome"] == name for row in outcomes) for name in ("completed", "disconnected", "error")}
     errors = [row for row in outcomes if row["outcome"] == "error"]
     too_long = [row["key"] for row in outcomes if (row.get("completion_tokens") or 0) > row["max_tokens"]]
-    answered = counts["completed"] + counts["disconnected"] + sum(row.get("status") is None for row in errors)
+    status_errors = sum(row.get("status") is not None for row in errors)
+    aborted = counts["completed"] + counts["disconnected"] - counted["engine_finished"]
     return {
         "requests": len(outcomes),
         **counts,
         "server_counted": counted,
+        "aborted_in_engine": aborted,
         "unique_keys": len(set(keys)) == len(keys),
         "unique_response_ids": len(set(ids)) == len(ids),
         "errors_have_message": all(row.get("error") for row in errors),
         "error_samples": errors[:5],
         "completions_within_max_tokens": not too_long,
-        # every request reached the server once (no retries: max_retries=0), and every completed one finished once
-        # in the engine
+        # The API server answered every request that reached it exactly once (200 for a stream, 4xx/5xx for an
+        # error; the client never retries); a connection error never reached it. The engine finished every
+        # completed request once; a disconnected one either was aborted or had finished before the abort arrived.
         "none_lost_or_duplicated": (
-            counted["http_2xx"] == answered
-            and counted["http_4xx"] + counted["http_5xx"] == sum(row.get("status") is not None for row in errors)
-            and counted["engine_finished"] == counts["completed"]
+            counted["http_2xx"] == counts["completed"] + counts["disconnected"]
+            and counted["http_4xx"] + counted["http_5xx"] == status_errors
+            and counts["completed"] <= counted["engine_finished"] <= counts["completed"] + counts["disconnected"]
         ),
     }
 
 
-def run_soak(server, cfg: SoakConfig, *, api_key: str | None, context: int, h2o_plugin: bool,
+def run_soak(server, cfg: SoakConfig, *, api_key: str | None, context: int, h2o_active: bool,
              progress=print) -> dict:  # fmt: skip
     """The whole soak against a started :class:`~h2o_kv.vllm.serve.ServerProcess`; returns the result fields."""
     base, model = server.url, server.model
     prompts = soak_prompts(256, cfg.seed)
     before = server_counts(base)
     progress(f"soak: {cfg.clients} clients for {cfg.duration_s:.0f} s, {cfg.disconnect_fraction:.0%} disconnecting")
+    processes_before = rss_by_process(server.pid)
     with Monitor(base, server.pid, interval=1.0) as monitor:
         started = time.monotonic()
         outcomes = asyncio.run(_load(base, model, api_key, cfg, prompts))
@@ -301,12 +324,14 @@ def run_soak(server, cfg: SoakConfig, *, api_key: str | None, context: int, h2o_
         "max_after_warmup": max(after) if after else None,
         "min_after_warmup": min(after) if after else None,
         "final": tree_rss(server.pid),
+        "by_process_before": processes_before,
+        "by_process_after": rss_by_process(server.pid),
     }
     rss["max_deviation"] = max(abs(v - level) for v in after) / level if after else None
     rss["flat"] = rss["max_deviation"] is not None and rss["max_deviation"] <= RSS_TOLERANCE
     done = {key: accounting[key] for key in ("requests", "completed", "disconnected", "error")}
     progress(f"soak: {done}; checking bad requests")
-    bad = bad_requests(base, model, api_key, context, h2o_plugin)
+    bad = bad_requests(base, model, api_key, context, h2o_active)
     auth = auth_checks(base, model, api_key)
     addresses = listen_addresses(server.pid, server.options.port)
     checks = {
