@@ -52,6 +52,15 @@ class ServeConfig:
         """``(heavy, recent)`` for a request whose prompt has ``prompt_length`` tokens."""
         return self.as_budget().split(prompt_length)
 
+    def make_policy(self, prompt_length: int):
+        """The :mod:`h2o_kv.policies` object ranking a request's entries (None for ``full``), budget split by
+        its own prompt length. Imports torch."""
+        if not self.evicts:
+            return None
+        from ..policies import make_policy
+
+        return make_policy(self.policy, *self.split(prompt_length))
+
     def engine_args(self) -> dict[str, object]:
         """vLLM engine options this setting needs (``vllm.LLM(**...)``; ``h2o-kv serve`` passes them as flags).
 

@@ -1,0 +1,284 @@
+"""H2O inside vLLM's CPU attention backend (registered over ``CPU_ATTN`` by the plugin).
+
+For a request with an evicting setting the backend keeps, per layer, what h2o-kv's transformers backend keeps per
+layer (:mod:`h2o_kv.hf.cache`): per KV head a set of slots with the absolute position (``pos``), a validity flag and
+the policy's running score of each entry. The slots are the request's first physical cache slots (its first blocks);
+each KV head orders its own entries, which attention allows since keys are cached after RoPE. The cache length the
+kernel sees (``seq_lens``) is the slot count; positions keep counting.
+
+* Prompt chunks (chunked prefill included) are written where vLLM puts them, all prompt blocks are held, and each
+  layer accumulates the probability mass every prompt query pays each key (blockwise, no ``L x L`` matrix). After
+  the last chunk the policy keeps its best ``capacity`` entries, gathered into the first slots; the scheduler
+  (:mod:`h2o_kv.vllm.patches`) then frees the other blocks.
+* A decode step writes the new token into the first free slot of each head (vLLM's own write is disabled for the
+  row), attends over the slots, folds the mass into the scores and frees the lowest-ranked slot when more than
+  ``capacity`` entries are kept - the transformers backend's :meth:`~h2o_kv.hf.cache.H2OLayer.append` and
+  :meth:`~h2o_kv.hf.cache.H2OLayer.evict`, slot for slot.
+
+Rows of such requests are attended by :func:`h2o_kv.hf.scoring.attention_with_mass` (the transformers backend's
+attention, which also returns the mass); other rows keep vLLM's kernel. The policies are :mod:`h2o_kv.policies`'
+objects (one implementation, two backends). Only the fp32 cache layout (the ``vec`` ISA) is supported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+from vllm.v1.attention.backends.cpu_attn import (
+    CPUAttentionBackend,
+    CPUAttentionBackendImpl,
+    CPUAttentionMetadata,
+    CPUAttentionMetadataBuilder,
+)
+
+from ..hf.scoring import attention_with_mass
+from ..policies import EntryView, Policy
+from . import patches
+
+
+@dataclass
+class LayerEntries:
+    """One layer's slots of one request: ``pos``/``scores``/``valid`` ``[kv_heads, slots]``."""
+
+    pos: torch.Tensor
+    scores: torch.Tensor
+    valid: torch.Tensor
+    prompt_mass: torch.Tensor | None = None  # mass summed over the prompt chunks so far [kv_heads, computed]
+
+
+@dataclass
+class RequestEntries:
+    """A bounded request's state in the worker."""
+
+    policy: Policy
+    prompt: int
+    slots: int = 0  # physical slots in use after the last step (the same in every layer and head)
+    layers: dict[str, LayerEntries] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Row:
+    """What one batch row of a bounded request does in this step (shared by every layer)."""
+
+    entries: RequestEntries
+    start: int  # first query token of the row in the flattened batch
+    queries: int
+    column: int  # absolute position of the row's first query
+    slots: int  # physical slots attended (the kernel's seq_len)
+    blocks: torch.Tensor  # the request's block ids covering `slots`
+    prompt: bool  # a prompt chunk (else a decode step)
+    last_chunk: bool  # the chunk that completes the prompt: compress after it
+
+
+_REQUESTS: dict[str, RequestEntries] = {}
+
+
+def forget(request_ids) -> None:
+    """Drop the state of finished (or preempted) requests."""
+    for request_id in request_ids:
+        _REQUESTS.pop(request_id, None)
+
+
+def _entries_for(request_id: str, request_state) -> RequestEntries | None:
+    entries = _REQUESTS.get(request_id)
+    if entries is None:
+        params = request_state.sampling_params
+        config = patches.request_config(params.extra_args if params is not None else None)
+        policy = config.make_policy(request_state.num_prompt_tokens) if config is not None else None
+        if policy is None:
+            return None
+        entries = _REQUESTS[request_id] = RequestEntries(policy, request_state.num_prompt_tokens)
+    return entries
+
+
+@dataclass
+class H2OAttentionMetadata(CPUAttentionMetadata):
+    h2o_rows: tuple[Row, ...] = ()
+
+
+class H2OAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
+    """Turns bounded requests' logical lengths into physical slot counts, and redirects their decode writes."""
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
+        runner = patches.current_runner()
+        rows = self._plan(runner, common_attn_metadata) if runner is not None else []
+        if rows:
+            seq_lens = common_attn_metadata.seq_lens.clone()
+            for index, row in rows:
+                seq_lens[index] = row.slots
+            common_attn_metadata = replace(common_attn_metadata, seq_lens=seq_lens)
+        metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        if not rows:
+            return metadata
+        fields = {name: getattr(metadata, name) for name in CPUAttentionMetadata.__dataclass_fields__}
+        return H2OAttentionMetadata(**fields, h2o_rows=tuple(row for _, row in rows))
+
+    def _plan(self, runner, common) -> list[tuple[int, Row]]:
+        if self.isa != "vec":
+            raise RuntimeError(f"h2o-kv's vLLM backend supports the fp32 KV cache only (the 'vec' ISA), not {self.isa}")
+        starts = common.query_start_loc_cpu.tolist()
+        lengths = common.seq_lens.tolist()
+        rows = []
+        for index, request_id in enumerate(runner.input_batch.req_ids[: common.num_reqs]):
+            if request_id is None:
+                continue
+            entries = _entries_for(request_id, runner.requests[request_id])
+            if entries is None:
+                continue
+            start, queries = starts[index], starts[index + 1] - starts[index]
+            end = lengths[index]  # logical: tokens computed after this step
+            column = end - queries
+            if column < entries.prompt:  # a prompt chunk: physical slots are the logical ones
+                if end > entries.prompt:
+                    raise RuntimeError("h2o-kv: a bounded request was recomputed past its prompt (preempted?)")
+                if column == 0:
+                    entries.layers.clear()
+                slots, last = end, end == entries.prompt
+                entries.slots = min(end, int(entries.policy.capacity)) if last else end
+            else:
+                if queries != 1:
+                    raise RuntimeError("h2o-kv: a decode step of several tokens (speculative decoding) is unsupported")
+                grows = entries.slots <= entries.policy.capacity or not entries.policy.evicts_during_decode
+                slots = entries.slots + 1 if grows else entries.slots
+                entries.slots = slots
+                last = False
+                common.slot_mapping[start] = -1  # the attention writes the token into each head's free slot
+            blocks = common.block_table_tensor[index, : -(-slots // self.block_size)].long()
+            rows.append((index, Row(entries, start, queries, column, slots, blocks, column < entries.prompt, last)))
+        return rows
+
+
+class H2OAttentionImpl(CPUAttentionBackendImpl):
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
+        output = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+        rows = getattr(attn_metadata, "h2o_rows", ())
+        if rows:
+            cache = PagedCache(kv_cache)
+            for row in rows:
+                self._attend(layer.layer_name, row, query, key, value, cache, output)
+        return output
+
+    def _attend(self, name, row, query, key, value, cache, output) -> None:
+        policy, entries = row.entries.policy, row.entries
+        span = slice(row.start, row.start + row.queries)
+        kv_heads = self.num_kv_heads
+        if row.prompt:
+            layer = entries.layers.get(name)
+            pos = torch.arange(row.slots).expand(kv_heads, -1)
+        else:
+            layer = entries.layers[name]
+            if row.slots > layer.valid.shape[1]:  # grow by one slot, as a plain cache does
+                layer.pos = torch.cat([layer.pos, layer.pos.new_full((kv_heads, 1), -1)], 1)
+                layer.scores = torch.cat([layer.scores, layer.scores.new_zeros((kv_heads, 1))], 1)
+                layer.valid = torch.cat([layer.valid, layer.valid.new_zeros((kv_heads, 1))], 1)
+            free = layer.valid.byte().argmin(-1)  # [kv_heads]: each head's first free slot
+            cache.write(row.blocks, free, key[row.start], value[row.start])
+            heads = torch.arange(kv_heads)
+            layer.pos[heads, free] = row.column
+            layer.scores[heads, free] = 0.0
+            layer.valid[heads, free] = True
+            pos = layer.pos
+        keys, values = cache.read(row.blocks, row.slots)  # [kv_heads, slots, head_dim]
+        rows_query = query[span].transpose(0, 1).unsqueeze(0)  # [1, q_heads, queries, head_dim]
+        out, mass, last = attention_with_mass(
+            rows_query, keys[None], values[None], pos[None], None, row.column, self.scale,
+            need_mass=policy.needs_attention, window=policy.observation_window, chunk_start=row.slots - row.queries if row.prompt else None,
+        )  # fmt: skip
+        output[span] = out[0].reshape(output[span].shape)
+        if row.prompt:
+            self._prompt(name, row, layer, mass, last, keys, values, cache)
+        else:
+            self._evict(row, layer, mass, last, keys)
+
+    def _prompt(self, name, row, layer, mass, last, keys, values, cache) -> None:
+        """Accumulate a prompt chunk's mass; after the last chunk keep the policy's best ``capacity`` entries."""
+        entries, policy = row.entries, row.entries.policy
+        kv_heads, total = keys.shape[0], row.slots
+        if layer is None:
+            layer = entries.layers[name] = LayerEntries(None, None, None, torch.zeros((kv_heads, 0)))
+        if mass is not None:
+            grown = layer.prompt_mass.new_zeros((kv_heads, total))
+            grown[:, : layer.prompt_mass.shape[1]] = layer.prompt_mass
+            layer.prompt_mass = grown
+            layer.prompt_mass += mass[0]
+        if not row.last_chunk:
+            return
+        prompt_mass = layer.prompt_mass[None] if mass is not None else None
+        scores = policy.accumulate(torch.zeros((1, kv_heads, total)), prompt_mass, last)
+        pos = torch.arange(total).expand(1, kv_heads, total)
+        keep = int(min(policy.capacity, total))
+        if keep < total:
+            view = EntryView(pos, torch.ones_like(pos, dtype=torch.bool), scores, total, torch.zeros(1, dtype=torch.long),
+                             keys[None] if policy.needs_keys else None)  # fmt: skip
+            index = policy.keep_score(view).topk(keep, dim=-1).indices[0]  # [kv_heads, keep]
+            gather = index[..., None].expand(-1, -1, keys.shape[-1])
+            cache.write_slots(row.blocks, keys.gather(1, gather), values.gather(1, gather))
+        else:
+            index = pos[0]
+        slots = keep + 1 if keep == policy.capacity and policy.evicts_during_decode else keep
+        layer.pos = torch.full((kv_heads, slots), -1, dtype=torch.long)
+        layer.scores = torch.zeros((kv_heads, slots))
+        layer.valid = torch.zeros((kv_heads, slots), dtype=torch.bool)
+        layer.pos[:, :keep] = index
+        layer.scores[:, :keep] = scores[0].gather(1, index)
+        layer.valid[:, :keep] = True
+        layer.prompt_mass = None
+
+    def _evict(self, row, layer, mass, last, keys) -> None:
+        """Fold a decode step's mass into the scores; free the lowest-ranked slot where over ``capacity``."""
+        policy = row.entries.policy
+        scores = layer.scores[None]
+        view = EntryView(layer.pos[None], layer.valid[None], scores, row.column + 1, torch.zeros(1, dtype=torch.long),
+                         keys[None] if policy.needs_keys else None)  # fmt: skip
+        if not policy.evicts_during_decode or row.slots <= policy.capacity:
+            layer.scores = policy.accumulate(scores, mass, last)[0]
+            return
+        scores, victim = Policy.decode_victim(policy, view, mass, last)  # the composition the fused H2O path equals
+        layer.scores = scores[0]
+        layer.valid.scatter_(1, victim[0], False)
+
+
+class PagedCache:
+    """One layer's paged fp32 cache: keys dimension-major ``[head_dim, block_size]`` per (block, head), values
+    token-major ``[block_size, head_dim]`` (vLLM's ``vec`` layout)."""
+
+    def __init__(self, kv_cache: torch.Tensor):
+        blocks, heads, block_size, _ = kv_cache.shape
+        key_cache, self.values = kv_cache.view(blocks, heads, 2 * block_size, -1).chunk(2, dim=2)
+        self.keys = key_cache.view(blocks, heads, -1, block_size)  # [blocks, heads, head_dim, block_size]
+        self.block_size = block_size
+
+    def read(self, blocks: torch.Tensor, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the first ``slots`` slots, ``[heads, slots, head_dim]`` each (copies)."""
+        keys = self.keys[blocks].permute(1, 0, 3, 2).flatten(1, 2)[:, :slots]
+        values = self.values[blocks].transpose(0, 1).flatten(1, 2)[:, :slots]
+        return keys.contiguous(), values.contiguous()
+
+    def write(self, blocks: torch.Tensor, slot: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Head ``h``'s ``key[h]``/``value[h]`` (``[heads, head_dim]``) into its slot ``slot[h]``."""
+        heads = torch.arange(key.shape[0])
+        block, offset = blocks[slot // self.block_size], slot % self.block_size
+        self.keys[block, heads, :, offset] = key
+        self.values[block, heads, offset, :] = value
+
+    def write_slots(self, blocks: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """``keys``/``values`` ``[heads, n, head_dim]`` into every head's first ``n`` slots."""
+        n = keys.shape[1]
+        for first in range(0, n, self.block_size):
+            block, count = int(blocks[first // self.block_size]), min(self.block_size, n - first)
+            self.keys[block, :, :, :count] = keys[:, first : first + count].transpose(1, 2)
+            self.values[block, :, :count, :] = values[:, first : first + count]
+
+
+class H2OAttentionBackend(CPUAttentionBackend):
+    @staticmethod
+    def get_impl_cls():
+        return H2OAttentionImpl
+
+    @staticmethod
+    def get_builder_cls():
+        return H2OAttentionMetadataBuilder
+
+
+__all__ = ["H2OAttentionBackend", "forget"]
