@@ -1,4 +1,4 @@
-"""The ``h2o-kv`` command line: ``generate``, ``chat``, and the ``eval`` and ``bench`` groups.
+"""The ``h2o-kv`` command line: ``generate``, ``chat``, ``serve``, and the ``eval`` and ``bench`` groups.
 
 Parsing and checking the options imports neither torch nor transformers, so ``--help`` and input errors answer at
 once; the library loads only for valid input, and the ``eval``/``bench`` groups are imported only when invoked. An
@@ -351,6 +351,60 @@ def chat(
         if hasattr(sys.stdin, "reconfigure"):  # a line that is not UTF-8 becomes U+FFFD instead of an error
             sys.stdin.reconfigure(errors="replace")
         run_chat(session)
+
+
+SERVE_EXAMPLES = """Examples:
+
+  h2o-kv serve --policy h2o --heavy 256 --recent 256 --kv-cache-gb 1
+
+  h2o-kv serve --policy full --port 8001 --api-key secret -- --max-num-seqs 64
+"""
+
+
+@app.command(
+    context_settings={"allow_extra_args": True},
+    help="Serve the model with vLLM's OpenAI-compatible server (vllm serve), H2O eviction inside the engine.\n\n"
+    "The KV setting applies to every request (a request may override it with extra_body={'vllm_xargs': "
+    "{'h2o_heavy': H, 'h2o_recent': R}}); --policy full is vLLM's own cache. Arguments after -- go to vllm serve "
+    "as given. Needs the vllm extra: pip install 'h2o-kv\\[vllm]'.",
+    epilog=SERVE_EXAMPLES,
+)
+def serve(
+    ctx: typer.Context,
+    model: str = typer.Option(None, help="Local HF model directory.", show_default="SmolLM2-135M-Instruct"),
+    policy: PolicyName = typer.Option("h2o", help="Eviction policy; full keeps every entry (vLLM's own cache)."),
+    heavy: int = typer.Option(None, min=0, help="Heavy-hitter entries kept per request, layer and KV head."),
+    recent: int = typer.Option(None, min=0, help="Most recent entries kept per request, layer and KV head."),
+    budget: float = typer.Option(
+        None,
+        help="KV budget as a ratio in (0, 1] of each request's prompt length (instead of --heavy/--recent).",
+        show_default=False,
+    ),
+    kv_cache_gb: float = typer.Option(
+        None, help="KV-cache space in GiB (fractions allowed).", show_default="vLLM's default"
+    ),
+    host: str = typer.Option("127.0.0.1", help="Address to bind."),
+    port: int = typer.Option(8000, help="Port to bind."),
+    api_key: str = typer.Option(None, help="Require this bearer key on every request (401 without it)."),
+    max_model_len: int = typer.Option(None, help="Longest prompt + output in tokens.", show_default="the model's"),
+    dtype: str = typer.Option("float32", help="float32, bfloat16 or float16."),
+):
+    """Serve with vLLM (the help text is above)."""
+    check_budget(policy, budget, heavy, recent)
+    from .vllm.config import ServeConfig
+    from .vllm.serve import ServeOptions, exec_server
+
+    try:
+        config = ServeConfig(policy, heavy=heavy, recent=recent, budget=budget)
+        options = ServeOptions(config, model=model, host=host, port=port, api_key=api_key, kv_cache_gb=kv_cache_gb,
+                               max_model_len=max_model_len, dtype=dtype, extra=tuple(ctx.args))  # fmt: skip
+    except ValueError as err:
+        raise fail(str(err)) from None
+    with Notes():
+        try:
+            exec_server(options)
+        except FileNotFoundError as err:  # the default model's package is missing
+            raise fail(str(err)) from None
 
 
 def main():  # pragma: no cover - console entry point

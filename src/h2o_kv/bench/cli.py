@@ -234,5 +234,114 @@ def profile_cmd(
         records.write(out, "profile", result, device=lm.device)
 
 
+SERVE_HELP = """Serving throughput of KV settings through vLLM (h2o-kv serve + vllm bench serve), one fresh server per
+setting, at a fixed KV space; one JSON per setting (OUT_<setting>.json), a markdown table (OUT.md) and a plot (OUT.png).
+"""
+
+
+@app.command("serve", help=SERVE_HELP)
+def serve_cmd(
+    policies: str = typer.Option(
+        "full,h2o", help="Settings, comma-separated: full, POLICY (with --budget), POLICY@RATIO, POLICY@HEAVY+RECENT."
+    ),
+    budget: float = typer.Option(0.2, help="Budget of a POLICY given without one (a ratio of each prompt)."),
+    workload: str = typer.Option("decode-heavy", help="decode-heavy, prompt-heavy, chat, decode-step or xsum."),
+    requests: int = typer.Option(16, min=1, help="Requests (xsum: the first N articles)."),
+    concurrency: int = typer.Option(16, min=1, help="Requests in flight at once (the load generator's limit)."),
+    kv_cache_gb: str = typer.Option(
+        "auto",
+        help="KV space in GiB, or auto: exactly --kv-fit full-length requests of the workload (+ vLLM's null block).",
+    ),
+    kv_fit: int = typer.Option(4, min=1, help="With --kv-cache-gb auto: full-length requests the KV space holds."),
+    port: int = typer.Option(8200, min=1, max=65535, help="Server port (on 127.0.0.1)."),
+    seed: int = typer.Option(0, help="Seed of the prompts' order and of the load generator."),
+    transformers: pathlib.Path = typer.Option(
+        None, exists=True, dir_okay=False, help="Also tabulate this h2o-kv bench run results file (transformers)."
+    ),
+    out: pathlib.Path = typer.Option(..., help="Results: OUT_<setting>.json per setting, OUT.md, OUT.png."),
+):
+    """Measure serving throughput (the help text is above)."""
+    from .serve import WORKLOADS, ServeBench, Setting, comparison_table, plot, transformers_rows
+
+    try:
+        if workload not in WORKLOADS:
+            raise ValueError(f"--workload must be one of {', '.join(WORKLOADS)}, got {workload!r}")
+        settings = [Setting.parse(text, budget) for text in policies.split(",") if text.strip()]
+        if not settings:
+            raise ValueError("--policies is empty")
+        if kv_cache_gb == "auto":
+            kv_bytes = None
+        else:
+            gb = float(kv_cache_gb)
+            if not gb > 0:
+                raise ValueError(f"--kv-cache-gb must be auto or a number of GiB > 0, got {kv_cache_gb!r}")
+            kv_bytes = int(gb * 2**30)
+        from ..vllm.serve import ServeOptions
+
+        for setting in settings:
+            ServeOptions(setting.config, port=port)  # vLLM and the plugin installed?
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from None
+    bench = ServeBench(settings, WORKLOADS[workload], requests, concurrency, kv_bytes, out, fit=kv_fit, port=port,
+                       seed=seed, progress=console.print)  # fmt: skip
+    results = bench.run()
+    extra = transformers_rows(transformers) if transformers else []
+    table = comparison_table(results, extra)
+    print(table)
+    out.with_suffix(".md").write_text(table + "\n")
+    if workload != "xsum":
+        title = f"{workload}: {requests} requests, concurrency {concurrency}, KV {bench.kv_cache_bytes / 2**30:.3f} GiB"
+        console.print(f"plot: {plot(results, out.with_suffix('.png'), title)}")
+    console.print(f"table: {out.with_suffix('.md')}")
+
+
+@app.command("soak")
+def soak_cmd(
+    clients: int = typer.Option(64, min=1, help="Concurrent streaming clients."),
+    duration: float = typer.Option(300.0, min=1.0, help="Seconds of load."),
+    disconnect_fraction: float = typer.Option(0.2, min=0.0, max=1.0, help="Clients that leave streams early."),
+    policy: str = typer.Option("full", help="The server's setting: full, POLICY@RATIO or POLICY@HEAVY+RECENT."),
+    kv_cache_gb: float = typer.Option(1.0, min=0.01, help="KV space of the server in GiB."),
+    max_model_len: int = typer.Option(2048, min=64, help="The server's context (bad-request checks exceed it)."),
+    port: int = typer.Option(8210, min=1, max=65535, help="Server port (on 127.0.0.1)."),
+    seed: int = typer.Option(0),
+    out: pathlib.Path = typer.Option(..., help="Result JSON."),
+):
+    """Load and faults against a local h2o-kv serve: streaming clients, disconnects, bad requests, API key."""
+    import secrets
+    import tempfile
+
+    from .. import records
+    from ..vllm.serve import ServeOptions, ServerProcess, describe, plugin_installed
+    from .serve import Setting, vllm_versions
+    from .soak import SoakConfig, run_soak
+
+    try:
+        cfg = SoakConfig(clients=clients, duration_s=duration, disconnect_fraction=disconnect_fraction, seed=seed)
+        setting = Setting.parse(policy)
+        key = secrets.token_hex(8)
+        options = ServeOptions(setting.config, port=port, api_key=key, kv_cache_gb=kv_cache_gb,
+                               max_model_len=max_model_len)  # fmt: skip
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from None
+    log = pathlib.Path(tempfile.mkdtemp(prefix="h2o-kv-soak-")) / "server.log"
+    console.print(f"soak: starting the server (log {log})")
+    with ServerProcess(options, log=log) as server:
+        active = plugin_installed() and setting.config.evicts
+        result = run_soak(server, cfg, api_key=key, context=max_model_len, h2o_active=active,
+                          progress=console.print)  # fmt: skip
+        command = describe(server.argv, server.env)
+    result.update(setting=setting.label, policy=setting.config.policy, kv_cache_gb=kv_cache_gb,
+                  max_model_len=max_model_len, server_command=command, server_log=str(log))  # fmt: skip
+    data = records.record("serve_soak", result, h2o_cache=False)
+    data["versions"].update(vllm_versions())
+    records.save(out, data)
+    for name, value in result["checks"].items():
+        console.print(f"  {name:28s} {'pass' if value else ('n/a' if value is None else 'FAIL')}")
+    console.print(f"soak {'passed' if result['passed'] else 'FAILED'}: {out}")
+    if not result["passed"]:
+        raise typer.Exit(1)
+
+
 if __name__ == "__main__":
     app()
