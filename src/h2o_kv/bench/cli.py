@@ -207,16 +207,23 @@ def report_cmd(
 def kv_memory_cmd(
     tokens: str = typer.Option("1024,2048,4096", help="Context lengths N, comma-separated."),
     budget: float = typer.Option(0.2, min=1e-6, max=1.0, help="Budget of the h2o settings (ratio of N)."),
+    settings: str = typer.Option(
+        "dynamic,h2o,h2o-kv8,h2o-kv4,dynamic-kv4", help="Settings (dynamic = the full fp32 cache; -kvB: B-bit KV)."
+    ),
     model: str = typer.Option(None, help="Model dir/id (default: the embedded default model)."),
     json_path: pathlib.Path = typer.Option(..., "--json", help="Write the result record here."),
 ):
     """The KV memory to hold N tokens of context: full, h2o, h2o + 8/4-bit, transformers' QuantizedCache 4-bit,
     counted from caches the model builds (fp32, CPU, batch 1)."""
     from .. import records
-    from .kv_memory import markdown, run
+    from .kv_memory import SETTINGS, markdown, run
 
     length_list = _int_list(tokens, "--tokens")
-    result = run(length_list, budget, model=model, progress=console.print)
+    labels = [label.strip() for label in settings.split(",") if label.strip()]
+    unknown = sorted(set(labels) - set(SETTINGS))
+    if unknown or "dynamic" not in labels:
+        raise typer.BadParameter(f"--settings: choose among {', '.join(SETTINGS)}, dynamic included; got {settings!r}")
+    result = run(length_list, budget, labels, model=model, progress=console.print)
     table = markdown(result)
     print(table)
     records.write(json_path, "kv-memory", {**result, "table": table}, device="cpu")

@@ -81,8 +81,9 @@ def _build(source: pathlib.Path = _SOURCE):
         return load(
             name=f"h2o_kv_{source.stem}_{digest}",
             sources=[str(source)],
-            extra_cflags=["-O3"] + (["-fopenmp"] if source == _QUANT_SOURCE else []),  # at::parallel_for over rows
-            extra_ldflags=["-fopenmp"] if source == _QUANT_SOURCE else [],
+            # quant_attend: OpenMP for at::parallel_for over rows; decode_step: the flags it was always built with
+            **({"extra_cflags": ["-O3", "-fopenmp"], "extra_ldflags": ["-fopenmp"]} if source == _QUANT_SOURCE
+               else {"extra_cflags": ["-O3"]}),  # fmt: skip
             build_directory=str(build_dir),
         )
     except Exception as error:  # no compiler, no ninja, ...: correct but slower torch ops
