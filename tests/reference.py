@@ -10,6 +10,12 @@ layer keeps a boolean ``kept`` row per KV head plus float64 scores. Every forwar
   ``heavy`` best-scored others; a single token (a decode step) evicts the lowest-scored column outside the
   last ``recent`` if more than ``heavy + recent`` are kept. ``local`` and ``sink`` rank by recency instead
   (``sink`` always keeps the first ``sinks`` columns); ``tova`` ranks by the last query row only.
+
+With ``kv_bits`` (``H2OCache(kv_bits=...)``'s storage, written out plainly): attention reads each column's key and
+value through a min/max round trip (``kv_group`` numbers per scale and zero point) unless the column belongs to the
+step (its own entries) or to the newest ``max(kv_residual, 1)`` columns stored when the step attends. With
+``streaming``: keys are un-rotated to raw ones (quantized raw), then rotated at their rank among the kept columns,
+queries at the rank of their own column (StreamingLLM positions); the un-rotation is h2o-kv's own (``_raw``).
 """
 
 from __future__ import annotations
@@ -24,8 +30,13 @@ NAME = "h2o_reference"
 
 
 class ReferenceState:
-    def __init__(self, heavy: int, recent: int, policy: str = "h2o", sinks: int = 4, stepwise: bool = False):
+    def __init__(
+        self, heavy: int, recent: int, policy: str = "h2o", sinks: int = 4, stepwise: bool = False,
+        kv_bits: int | None = None, kv_group: int = 64, kv_residual: int = 64, rotary=None,
+    ):  # fmt: skip
         self.heavy, self.recent, self.policy, self.sinks, self.stepwise = heavy, recent, policy, sinks, stepwise
+        self.kv_bits, self.kv_group, self.kv_residual = kv_bits, kv_group, kv_residual
+        self.rotary = rotary  # the model's rotary embedding: streaming positions
         self.kept: dict[int, torch.Tensor] = {}  # layer -> [kv_heads, columns] bool
         self.scores: dict[int, torch.Tensor] = {}  # layer -> [kv_heads, columns] float64
 
@@ -51,6 +62,56 @@ class ReferenceState:
 
 
 STATE: ReferenceState | None = None
+
+
+def round_trip(x: torch.Tensor, bits: int, group: int) -> torch.Tensor:
+    """Asymmetric min/max quantization of each ``group`` numbers of the last dimension, and back."""
+    g = x.float().unflatten(-1, (-1, group))
+    low = g.amin(-1, keepdim=True)
+    scale = (g.amax(-1, keepdim=True) - low) / (2**bits - 1)
+    codes = ((g - low) / scale.clamp_min(torch.finfo(torch.float32).tiny)).round().clamp(0, 2**bits - 1)
+    return (codes * scale + low).flatten(-2).to(x.dtype)
+
+
+def _rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _rope(state: ReferenceState, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``x [1, H, N, D]`` rotated at ``positions [H, N]``."""
+    cos, sin = state.rotary(x, positions.reshape(1, -1))
+    cos, sin = cos.view(*positions.shape, -1).unsqueeze(0), sin.view(*positions.shape, -1).unsqueeze(0)
+    return x * cos + _rotate_half(x) * sin
+
+
+def _raw(state: ReferenceState, x: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """``x`` un-rotated from ``columns``: h2o-kv's own un-rotation (tested in test_streaming.py), so that raw keys
+    are bitwise the cache's and no code flips at a rounding boundary; back in the model's dimension order."""
+    from h2o_kv.hf.rotary import pair_order, raw_keys
+
+    cos, sin = state.rotary(x, columns.view(1, -1))
+    order = pair_order(x.shape[-1], cos.shape[-1])
+    return raw_keys(x, cos, sin).index_select(-1, order.argsort())
+
+
+def _stored(state: ReferenceState, query, key, value, old: int, r0: int, r1: int, layer: int):
+    """The query rows and the keys/values the step attends to under quantization and streaming."""
+    columns = key.shape[2]
+    if state.rotary is not None:  # raw keys and queries (the model rotated them at their absolute columns)
+        key, query = _raw(state, key, torch.arange(columns)), _raw(state, query, torch.arange(old + r0, old + r1))
+    if state.kv_bits is not None:
+        exact_from = old + r0 + 1 - max(state.kv_residual, 1) if r1 - r0 == 1 else old - max(state.kv_residual, 1)
+        exact = (torch.arange(columns) >= exact_from).view(1, 1, -1, 1)
+        key = torch.where(exact, key, round_trip(key, state.kv_bits, state.kv_group))
+        value = torch.where(exact, value, round_trip(value, state.kv_bits, state.kv_group))
+    if state.rotary is not None:  # every column at its rank among the kept ones
+        kept = state.kept[layer][:, :columns].long()
+        rank = kept.cumsum(-1) - kept  # kept columns before each column
+        key = _rope(state, key, rank)
+        group = query.shape[1] // key.shape[1]
+        query = _rope(state, query, rank[:, old + r0 : old + r1].repeat_interleave(group, dim=0))
+    return query, key, value
 
 
 def _attend(module, query, key, value, scaling, rows_start, state: ReferenceState, layer: int):
@@ -86,10 +147,10 @@ def reference_attention(module, query, key, value, attention_mask, scaling=None,
         state.kept[layer] = torch.cat([state.kept[layer], torch.ones(kv_heads, r1 - r0, dtype=torch.bool)], 1)
         state.scores[layer] = torch.cat([state.scores[layer], torch.zeros(kv_heads, r1 - r0, dtype=torch.float64)], 1)
         visible_columns = old + r1
-        out, probs = _attend(
-            module, query[:, :, r0:r1], key[:, :, :visible_columns], value[:, :, :visible_columns],
-            scaling, old + r0, state, layer,
-        )  # fmt: skip
+        step_query, step_key, step_value = _stored(
+            state, query[:, :, r0:r1], key[:, :, :visible_columns], value[:, :, :visible_columns], old, r0, r1, layer
+        )
+        out, probs = _attend(module, step_query, step_key, step_value, scaling, old + r0, state, layer)
         outputs.append(out)
         per_kv = probs[0].double().view(kv_heads, group, r1 - r0, visible_columns)
         state.scores[layer] += per_kv.sum(dim=(1, 2))
@@ -120,17 +181,18 @@ AttentionMaskInterface.register(NAME, _no_mask)
 
 
 @torch.no_grad()
-def reference_generate(model, input_ids, max_new_tokens, heavy, recent, policy="h2o", turns=()):
+def reference_generate(model, input_ids, max_new_tokens, heavy, recent, policy="h2o", turns=(), **options):
     """Greedy decoding under the reference H2O, one token per forward after the prompt.
 
     ``turns``: further token lists appended (as one chunk each) after the previous turn's generation, like a
     multi-turn chat on one cache. End-of-sequence tokens are never chosen (as ``min_new_tokens`` does).
+    ``options``: ``kv_bits``, ``kv_group``, ``kv_residual``, ``streaming`` (see the module docstring).
     Returns (generated token ids per turn, raw logits per generated token).
     """
     eos = model.generation_config.eos_token_id
     eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
     global STATE
-    STATE = ReferenceState(heavy, recent, policy)
+    STATE = _state(model, heavy, recent, policy, **options)
     previous = model.config._attn_implementation
     model.set_attn_implementation(NAME)
     try:
@@ -155,13 +217,18 @@ def reference_generate(model, input_ids, max_new_tokens, heavy, recent, policy="
 
 
 @torch.no_grad()
-def reference_logits(model, input_ids, heavy, recent, policy="h2o", stepwise=True):
+def reference_logits(model, input_ids, heavy, recent, policy="h2o", stepwise=True, **options):
     """Teacher-forced logits of ``input_ids`` fed one token at a time under the reference H2O."""
     global STATE
-    STATE = ReferenceState(heavy, recent, policy, stepwise=stepwise)
+    STATE = _state(model, heavy, recent, policy, stepwise=stepwise, **options)
     previous = model.config._attn_implementation
     model.set_attn_implementation(NAME)
     try:
         return model(input_ids, **cache_kwargs(DynamicCache()), use_cache=True).logits[0]
     finally:
         model.set_attn_implementation(previous)
+
+
+def _state(model, heavy, recent, policy, streaming=False, **options) -> ReferenceState:
+    rotary = model.model.rotary_emb if streaming else None
+    return ReferenceState(heavy, recent, policy, rotary=rotary, **options)

@@ -30,6 +30,8 @@ except ImportError:  # pragma: no cover - older typer
 
 # the names registered in h2o_kv.policies.POLICIES (importing it imports torch; a test keeps the two equal)
 POLICY_NAMES = ("h2o", "local", "sink", "full", "tova", "snapkv", "random", "h2o_mean")
+KV_BITS = (4, 8)  # h2o_kv.hf.quant.KV_BITS (importing it imports torch; a test keeps the two equal)
+KV_BITS_HELP = "Store the kept KV entries quantized: 8 or 4 bits per number, group 64 (H2OCache(kv_bits=...))."
 DTYPE_NAMES = ("float32", "float16", "bfloat16", "fp32", "fp16", "bf16")  # h2o_kv.models' dtypes (tested)
 PolicyName = Literal[POLICY_NAMES]
 BoundedPolicyName = Literal[tuple(name for name in POLICY_NAMES if name != "full")]
@@ -108,6 +110,11 @@ def as_options(message: str, *names: str, assigned: bool = False) -> str:
     ``assigned``: only in ``heavy=4``, which becomes ``--heavy 4``)."""
     pattern = rf"\b({'|'.join(names)})" + ("=" if assigned else r"\b")
     return re.sub(pattern, lambda m: f"--{m[1].replace('_', '-')}" + (" " if assigned else ""), message)
+
+
+def check_kv_bits(kv_bits: int | None) -> None:
+    if kv_bits is not None and kv_bits not in KV_BITS:
+        raise fail(f"--kv-bits must be one of {', '.join(map(str, KV_BITS))}; got {kv_bits}")
 
 
 def check_budget(policy: str, budget: float | None, heavy: int | None, recent: int | None) -> Budget | None:
@@ -214,6 +221,7 @@ def generate(
     heavy: int = typer.Option(None, min=0, help="Heavy-hitter entries kept per layer and KV head (with --recent)."),
     recent: int = typer.Option(None, min=0, help="Most recent entries kept per layer and KV head (with --heavy)."),
     policy: PolicyName = typer.Option("h2o", help="Eviction policy; full keeps every entry and takes no budget."),
+    kv_bits: int = typer.Option(None, "--kv-bits", help=KV_BITS_HELP, show_default="full precision"),
     model: str = typer.Option(None, help=MODEL_HELP, show_default="SmolLM2-135M-Instruct"),
     chat: bool = typer.Option(False, "--chat", help="Apply the model's chat template to the prompt."),
     max_new_tokens: int = typer.Option(128, min=1, help="Tokens to generate."),
@@ -226,6 +234,7 @@ def generate(
 ):
     """Generate text with a bounded KV cache and print one summary line (the help text is above)."""
     rule = check_budget(policy, budget, heavy, recent)
+    check_kv_bits(kv_bits)
     if file is not None:
         if prompt is not None:
             raise fail("give the prompt either as an argument or with --file, not both")
@@ -261,7 +270,7 @@ def generate(
             )
         if rule is not None:
             budget_notes(note, rule, length, max_new_tokens)
-        cache = H2OCache(heavy=heavy, recent=recent, budget=budget, policy=policy)
+        cache = H2OCache(heavy=heavy, recent=recent, budget=budget, policy=policy, kv_bits=kv_bits)
         inputs = {key: value.to(lm.device) for key, value in inputs.items()}
         streamer = _TimingStreamer(tokenizer, echo=not quiet)
         start = time.perf_counter()
@@ -273,9 +282,10 @@ def generate(
     stats = cache.stats()
     first = streamer.times[0] if streamer.times else end
     decode_rate = (generated - 1) / (end - first) if generated > 1 and end > first else float("nan")
+    precision = "" if kv_bits is None else f" {kv_bits}-bit KV"
     summary = (
-        f"[{stats['policy']}] KV entries {stats['kv_tokens']} kept / {stats['seen_tokens']} seen per layer and "
-        f"head ({stats['evicted_tokens']} evicted) | KV memory {_mib(stats['kv_bytes'])} vs "
+        f"[{stats['policy']}{precision}] KV entries {stats['kv_tokens']} kept / {stats['seen_tokens']} seen per layer "
+        f"and head ({stats['evicted_tokens']} evicted) | KV memory {_mib(stats['kv_bytes'])} vs "
         f"{_mib(stats['full_kv_bytes'])} full ({stats['kv_ratio']:.2f}x) | prompt {length} tokens in "
         f"{first - start:.2f} s | {generated} new tokens, {generated / (end - start):.1f} tok/s end-to-end, "
         f"{decode_rate:.1f} tok/s decode"
@@ -285,7 +295,7 @@ def generate(
         from . import records
 
         fields = {
-            "policy": policy, "budget": budget, "model": model or "SmolLM2-135M-Instruct",
+            "policy": policy, "budget": budget, "kv_bits": kv_bits, "model": model or "SmolLM2-135M-Instruct",
             "prompt_tokens": length, "new_tokens": generated, "prompt_seconds": first - start,
             "seconds": end - start, "end_to_end_tok_s": generated / (end - start),
             "decode_tok_s": None if math.isnan(decode_rate) else decode_rate,
@@ -322,6 +332,7 @@ def chat(
     heavy: int = typer.Option(256, min=0, help="Heavy-hitter entries kept per layer and KV head."),
     recent: int = typer.Option(256, min=0, help="Most recent entries kept per layer and KV head."),
     policy: BoundedPolicyName = typer.Option("h2o", help="Eviction policy (a bounded one)."),
+    kv_bits: int = typer.Option(None, "--kv-bits", help=KV_BITS_HELP, show_default="full precision"),
     streaming: bool = typer.Option(
         True, "--streaming/--no-streaming", help="Re-rotate keys inside the cache (never exceed the model's window)."
     ),
@@ -335,6 +346,7 @@ def chat(
 ):
     """Chat in the terminal (the help text is above)."""
     check_budget(policy, None, heavy, recent)
+    check_kv_bits(kv_bits)
     if not 0 < top_p <= 1:
         raise fail(f"--top-p must be in (0, 1], got {top_p}")
     with Notes():
@@ -345,6 +357,7 @@ def chat(
             session = ChatSession(
                 loaded, tokenizer, heavy=heavy, recent=recent, policy=policy, streaming=streaming, system=system,
                 max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                **({} if kv_bits is None else {"kv_bits": kv_bits}),
             )  # fmt: skip
         except ValueError as err:
             raise fail(str(err)) from None

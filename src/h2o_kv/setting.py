@@ -9,6 +9,10 @@ A setting is one of, named distinctly in every result:
 * ``kvpress:<press>`` - an NVIDIA kvpress press (:mod:`h2o_kv.peers`) compressing a ``DynamicCache`` once, after
   the prefill, to the entry count the same budget gives.
 
+Any setting but a press may store its KV entries quantized (``kv_bits`` 4 or 8): an h2o-kv policy as
+``H2OCache(kv_bits=...)`` (:mod:`h2o_kv.hf.quant`), ``dynamic`` as transformers' own ``QuantizedCache`` (the peer,
+quanto backend, 4-bit only, group 64, the same full-precision residual length as h2o-kv's ring).
+
 Whether a setting evicts comes from the policy object (:attr:`Policy.bounded`), never from its name; a bounded
 setting needs a budget, an unbounded one takes none. Entry counts come from :meth:`Budget.entries` only.
 """
@@ -53,9 +57,19 @@ class KVSetting:
 
     name: str
     budget: Budget | None = None
+    kv_bits: int | None = None
 
     def __post_init__(self):
         check_name(self.name)
+        from .hf.quant import check_bits
+
+        check_bits(self.kv_bits)
+        if self.kv_bits is not None and self.press is not None:
+            raise ValueError(f"kv_bits: {self.name} compresses a DynamicCache; quantized storage is not offered there")
+        if self.kv_bits not in (None, 4) and self.name == DYNAMIC:
+            raise ValueError(
+                f"kv_bits: dynamic runs transformers' QuantizedCache (quanto), 4-bit only; got {self.kv_bits}"
+            )
         if self.bounded and self.budget is None:
             raise ValueError(f"{self.name} evicts: give budget (a ratio in (0, 1] of the prompt) or heavy and recent")
         if not self.bounded and self.budget is not None:
@@ -70,12 +84,13 @@ class KVSetting:
         heavy: int | None = None,
         recent: int | None = None,
         option: str = "setting",
+        kv_bits: int | None = None,
     ) -> KVSetting:
         """The setting ``name`` with the budget of the user options (none for an unbounded setting); errors name
         ``option`` (e.g. ``--policy``) for a bad name."""
         check_name(name, option)
         given = budget is not None or heavy is not None or recent is not None
-        return cls(name, Budget.of(budget, heavy, recent) if given else None)
+        return cls(name, Budget.of(budget, heavy, recent) if given else None, kv_bits)
 
     @property
     def press(self) -> str | None:
@@ -99,6 +114,10 @@ class KVSetting:
         """A fresh cache: ``DynamicCache`` (``dynamic``, presses; laid out for the model ``config`` when given) or
         ``H2OCache`` with this budget, a ratio budget resolved against ``prompt_length`` when given (else against the
         first forward, H2OCache's own rule); ``options`` go to ``H2OCache`` (``streaming``, policy options, ...)."""
+        if self.kv_bits is not None and not self.uses_h2o_cache:
+            return quantized_peer_cache(config, self.kv_bits)
+        if self.kv_bits is not None:
+            options = {"kv_bits": self.kv_bits, **options}
         if not self.uses_h2o_cache:
             from transformers import DynamicCache
 
@@ -123,10 +142,29 @@ class KVSetting:
             "heavy": None if budget is None else budget.heavy,
             "recent": None if budget is None else budget.recent,
             "peer": self.press is not None,
+            "kv_bits": self.kv_bits,
         }
 
     def describe(self) -> str:
-        return self.name if self.budget is None else f"{self.name} ({self.budget.describe()})"
+        bits = "" if self.kv_bits is None else f" + {self.kv_bits}-bit KV"
+        return (self.name if self.budget is None else f"{self.name} ({self.budget.describe()})") + bits
+
+    @property
+    def label(self) -> str:
+        """The setting's name with its KV precision, for file names and tables: ``h2o``, ``h2o-kv4``."""
+        return self.name if self.kv_bits is None else f"{self.name}-kv{self.kv_bits}"
+
+
+def quantized_peer_cache(config, kv_bits: int = 4):
+    """transformers' ``QuantizedCache`` (quanto backend, ``kv_bits`` bits, group 64, the newest
+    ``DEFAULT_RESIDUAL`` tokens kept in full precision as h2o-kv's ring): the peer of ``H2OCache(kv_bits=...)``."""
+    from transformers import QuantizedCache
+
+    from .hf.quant import DEFAULT_GROUP, DEFAULT_RESIDUAL
+
+    if config is None:
+        raise ValueError("the QuantizedCache peer needs the model config (make_cache(config=model.config))")
+    return QuantizedCache("quanto", config, nbits=kv_bits, q_group_size=DEFAULT_GROUP, residual_length=DEFAULT_RESIDUAL)
 
 
 def held_entries(cache) -> int:

@@ -24,6 +24,16 @@ def _int_list(text: str, name: str) -> list[int]:
     return values
 
 
+def _kv_bits_list(text: str) -> list[int | None]:
+    """``none,8,4`` -> ``[None, 8, 4]``; a one-line error naming ``--kv-bits`` otherwise."""
+    out = []
+    for item in (part.strip().lower() for part in text.split(",")):
+        if item not in ("none", "8", "4"):
+            raise ValueError(f"--kv-bits takes none, 8 or 4 (comma-separated); got {item!r}")
+        out.append(None if item == "none" else int(item))
+    return out
+
+
 def _model_positions(model: str | None) -> int | None:
     """The model's maximum context, without loading weights (None when it cannot be read cheaply)."""
     from .workload import RANDOM_SHAPES
@@ -43,9 +53,9 @@ def _model_positions(model: str | None) -> int | None:
         return None
 
 
-def build_grid(contexts, batches, names, new_tokens, budget, prefill_batch) -> list:
-    """Every (prompt length, batch, setting) configuration, settings alternating innermost; ``budget`` applies to
-    the settings that evict."""
+def build_grid(contexts, batches, names, new_tokens, budget, prefill_batch, kv_bits=(None,)) -> list:
+    """Every (prompt length, batch, setting, KV precision) configuration, settings alternating innermost; ``budget``
+    applies to the settings that evict; ``kv_bits``: each setting at each of these precisions (None: full)."""
     from .harness import BenchConfig
 
     grid = []
@@ -53,8 +63,10 @@ def build_grid(contexts, batches, names, new_tokens, budget, prefill_batch) -> l
         for batch in batches:
             pre = prefill_batch if prefill_batch and batch > prefill_batch and batch % prefill_batch == 0 else None
             for name in names:
-                grid.append(BenchConfig(policy=name, context=context, batch=batch, new_tokens=new_tokens,
-                                        budget=budget if is_bounded(name) else None, prefill_batch=pre))  # fmt: skip
+                for bits in kv_bits:
+                    grid.append(BenchConfig(policy=name, context=context, batch=batch, new_tokens=new_tokens,
+                                            budget=budget if is_bounded(name) else None, prefill_batch=pre,
+                                            kv_bits=bits))  # fmt: skip
     return grid
 
 
@@ -84,6 +96,12 @@ def run_cmd(
         help="For batches that are multiples of it: prefill this many distinct prompts and repeat the "
         "cache along the batch (decode work unchanged; prefill and end-to-end numbers then not reported).",
     ),
+    kv_bits: str = typer.Option(
+        "none",
+        "--kv-bits",
+        help="KV precisions, comma-separated: none (full), 8, 4 (H2OCache(kv_bits=...); dynamic with 4: transformers' "
+        "QuantizedCache). Each setting runs at each, alternating: --kv-bits none,4.",
+    ),
     model: str = typer.Option(None, help="Model dir/id, or random:<shape> (random weights; e.g. random:llama3-8b)."),
     device: str = typer.Option("auto", help="auto (CUDA if available), cpu, cuda, cuda:N."),
     dtype: str = typer.Option(None, help="float32/bfloat16/float16 (default: float32 on CPU, bfloat16 on CUDA)."),
@@ -104,6 +122,7 @@ def run_cmd(
             raise ValueError("--policies is empty")
         for name in policy_list:
             check_name(name, "--policies")
+        bits_list = _kv_bits_list(kv_bits)
         if memory_limit:
             parse_limit(memory_limit)
         elif fit_only:
@@ -119,7 +138,7 @@ def run_cmd(
             f"prompt {max(context_list)} + {new_tokens} new tokens exceeds the model's {limit} positions",
             param_hint="--contexts/--new-tokens",
         )
-    grid = build_grid(context_list, batch_list, policy_list, new_tokens, budget, prefill_batch)
+    grid = build_grid(context_list, batch_list, policy_list, new_tokens, budget, prefill_batch, bits_list)
     settings = RunSettings(model=model, device=device, dtype=dtype, threads=threads, repeats=repeats,
                            isolate=isolate, lock=lock)  # fmt: skip
     try:
@@ -182,6 +201,33 @@ def report_cmd(
         print("\n" + "\n".join(markdown(header, table)))
     if plot:
         console.print(f"plot: {make_plot(rows, plot, batch=batch, title=_title(files[0]['runs'][-1]))}")
+
+
+@app.command("kv-memory")
+def kv_memory_cmd(
+    tokens: str = typer.Option("1024,2048,4096", help="Context lengths N, comma-separated."),
+    budget: float = typer.Option(0.2, min=1e-6, max=1.0, help="Budget of the h2o settings (ratio of N)."),
+    settings: str = typer.Option(
+        "dynamic,h2o,h2o-kv8,h2o-kv4,dynamic-kv4", help="Settings (dynamic = the full fp32 cache; -kvB: B-bit KV)."
+    ),
+    model: str = typer.Option(None, help="Model dir/id (default: the embedded default model)."),
+    json_path: pathlib.Path = typer.Option(..., "--json", help="Write the result record here."),
+):
+    """The KV memory to hold N tokens of context: full, h2o, h2o + 8/4-bit, transformers' QuantizedCache 4-bit,
+    counted from caches the model builds (fp32, CPU, batch 1)."""
+    from .. import records
+    from .kv_memory import SETTINGS, markdown, run
+
+    length_list = _int_list(tokens, "--tokens")
+    labels = [label.strip() for label in settings.split(",") if label.strip()]
+    unknown = sorted(set(labels) - set(SETTINGS))
+    if unknown or "dynamic" not in labels:
+        raise typer.BadParameter(f"--settings: choose among {', '.join(SETTINGS)}, dynamic included; got {settings!r}")
+    result = run(length_list, budget, labels, model=model, progress=console.print)
+    table = markdown(result)
+    print(table)
+    records.write(json_path, "kv-memory", {**result, "table": table}, device="cpu")
+    console.print(f"results: {json_path}")
 
 
 @app.command("profile")

@@ -58,6 +58,7 @@ class BenchConfig:
     recent: int | None = None
     prefill_batch: int | None = None
     tag: str = ""
+    kv_bits: int | None = None  # quantized KV storage (H2OCache(kv_bits=...); dynamic: transformers' QuantizedCache)
 
     def __post_init__(self):
         self.setting  # noqa: B018 - validates the setting name and its budget
@@ -72,13 +73,15 @@ class BenchConfig:
 
     @property
     def setting(self) -> KVSetting:
-        return KVSetting.of(self.policy, budget=self.budget, heavy=self.heavy, recent=self.recent, option="policy")
+        return KVSetting.of(self.policy, budget=self.budget, heavy=self.heavy, recent=self.recent, option="policy",
+                            kv_bits=self.kv_bits)  # fmt: skip
 
     @property
     def key(self) -> str:
         budget = f"|b={self.budget}|h={self.heavy}|r={self.recent}" if self.setting.bounded else ""
         pre = f"|pre={self.prefill_batch}" if self.prefill_batch else ""
         tag = f"|{self.tag}" if self.tag else ""
+        tag += f"|kv={self.kv_bits}" if self.kv_bits is not None else ""
         return f"{self.policy}|L={self.context}|B={self.batch}|new={self.new_tokens}{budget}{pre}{tag}"
 
     def to_dict(self) -> dict:

@@ -107,7 +107,9 @@ class PeakMemory:
 
 
 def _nbytes(t) -> int:
-    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+    from ..hf.quant import stored_bytes
+
+    return stored_bytes(t)
 
 
 def cache_bytes(cache) -> tuple[int, int]:
@@ -120,7 +122,8 @@ def cache_bytes(cache) -> tuple[int, int]:
     for layer in getattr(cache, "layers", []):
         if not getattr(layer, "is_initialized", True):
             continue
-        layer_kv = _nbytes(getattr(layer, "keys", None)) + _nbytes(getattr(layer, "values", None))
+        names = ("keys", "values", "_quantized_keys", "_quantized_values")  # the last two: transformers' QuantizedCache
+        layer_kv = sum(_nbytes(getattr(layer, name, None)) for name in names)
         kv += layer_kv
         total += layer_kv + sum(_nbytes(getattr(layer, name, None)) for name in ("pos", "valid", "scores", "start"))
     return kv, total

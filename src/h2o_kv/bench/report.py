@@ -65,7 +65,7 @@ def _add_ratios(rows: list[dict], baseline: str) -> None:
     base = {}
     for row in rows:
         c = row["config"]
-        if c["policy"] == baseline and c.get("tag") != "fit":
+        if c["policy"] == baseline and c.get("tag") != "fit" and c.get("kv_bits") is None:
             base[(c["context"], c["batch"], c["new_tokens"])] = row
     for row in rows:
         c = row["config"]
@@ -108,7 +108,9 @@ def markdown_table(rows: list[dict], baseline: str = BASELINE) -> str:
         c = row["config"]
         batch = f"{c['batch']}" + (f" (prefill {c['prefill_batch']}, repeated)" if c.get("prefill_batch") else "")
         lines.append([
-            c["policy"] + (" (fit)" if c.get("tag") == "fit" else ""), str(c["context"]), batch, str(c["new_tokens"]),
+            c["policy"] + (f" {c['kv_bits']}-bit KV" if c.get("kv_bits") else "")
+            + (" (fit)" if c.get("tag") == "fit" else ""),
+            str(c["context"]), batch, str(c["new_tokens"]),
             _fmt(row["prefill_s"], ".1f"), _fmt(row["decode_tok_s"]),
             f"{_fmt(row['step_ms_p50'], '.0f')} / {_fmt(row['step_ms_p99'], '.0f')}", _fmt(row["e2e_tok_s"]),
             _fmt(row["prefill_peak_increase_bytes"], ".0f", MiB), _fmt(row["decode_peak_increase_bytes"], ".0f", MiB),
@@ -122,7 +124,8 @@ def markdown_table(rows: list[dict], baseline: str = BASELINE) -> str:
 
 def _sort_key(row):
     c = row["config"]
-    return (c["new_tokens"], c["context"], c.get("tag") == "fit", c["batch"], bounded(c), c["policy"])
+    bits = -(c.get("kv_bits") or 99)  # full precision first
+    return (c["new_tokens"], c["context"], c.get("tag") == "fit", c["batch"], bounded(c), c["policy"], bits)
 
 
 def bytes_model(rows: list[dict]) -> list[dict]:

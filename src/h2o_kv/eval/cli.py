@@ -9,7 +9,7 @@ from typing import Any
 
 import typer
 
-from .options import BUDGET, DEVICE, DTYPE, HEAVY, JSON, MODEL, PEER, POLICY, RECENT, kv_setting
+from .options import BUDGET, DEVICE, DTYPE, HEAVY, JSON, KV_BITS, MODEL, PEER, POLICY, RECENT, kv_setting
 
 app = typer.Typer(help="Quality at a given KV setting, on real data.", no_args_is_help=True)
 
@@ -58,6 +58,7 @@ def ppl(
     budget: float = BUDGET,
     heavy: int = HEAVY,
     recent: int = RECENT,
+    kv_bits: int = KV_BITS,
     streaming: bool = typer.Option(False, "--streaming", help="Position rolling: H2OCache(streaming=True)."),
     window: int = typer.Option(None, "--window", help="Also report perplexity per window of this many tokens."),
     chunk: int = typer.Option(512, "--chunk", help="Tokens per forward pass (memory bound; results do not change)."),
@@ -77,15 +78,15 @@ def ppl(
 
     def make():
         job = PPLJob.create(
-            text, tokens, kv_setting(policy, budget, heavy, recent), gutenberg=strip_gutenberg, streaming=streaming,
-            window=window, chunk=chunk, token_by_token=token_by_token,
+            text, tokens, kv_setting(policy, budget, heavy, recent, kv_bits=kv_bits), gutenberg=strip_gutenberg,
+            streaming=streaming, window=window, chunk=chunk, token_by_token=token_by_token,
         )  # fmt: skip
         job.token_ids(handle.tokenizer())
         return job
 
     job, loaded = _prepare(make, handle)
     heavy_, recent_ = job.heavy_recent
-    bar, advance = _bar(job.tokens, f"ppl {job.setting.name} H={heavy_} R={recent_}")
+    bar, advance = _bar(job.tokens, f"ppl {job.setting.label} H={heavy_} R={recent_}")
     with bar:
         record = run_ppl(job, loaded, handle.tokenizer(), json_path, model_name=handle.label, progress=advance)
     typer.echo(
@@ -158,6 +159,7 @@ def tasks(
         False, "--paper-protocol", help="Also process every context token under eviction (the H2O paper's protocol)."
     ),
     peer: str = PEER,
+    kv_bits: int = KV_BITS,
     json_path: Path = JSON,
     model: str = MODEL,
     dtype: str = DTYPE,
@@ -170,7 +172,7 @@ def tasks(
     handle = ModelHandle(model, dtype, device)
     job, loaded = _prepare(
         lambda: TasksJob.create(
-            task_names, kv_setting(policy, budget, heavy, recent, peer), paper_protocol=paper_protocol,
+            task_names, kv_setting(policy, budget, heavy, recent, peer, kv_bits), paper_protocol=paper_protocol,
             num_fewshot=num_fewshot, limit=limit, include_path=include_path or None,
         ),
         handle,
@@ -188,6 +190,7 @@ def xsum(
     heavy: int = HEAVY,
     recent: int = RECENT,
     peer: str = PEER,
+    kv_bits: int = KV_BITS,
     raw_prompt: bool = typer.Option(False, "--raw-prompt", help="Feed the file's prompt as is (no chat template)."),
     data: Path = typer.Option(None, "--data", help="Another XSUM 0-shot JSONL (default: the shared data file)."),
     json_path: Path = JSON,
@@ -202,7 +205,7 @@ def xsum(
     handle = ModelHandle(model, dtype, device)
     job, loaded = _prepare(
         lambda: XsumJob.create(
-            kv_setting(policy, budget, heavy, recent, peer), limit=limit, raw_prompt=raw_prompt, path=data
+            kv_setting(policy, budget, heavy, recent, peer, kv_bits), limit=limit, raw_prompt=raw_prompt, path=data
         ),
         handle,
     )
@@ -226,6 +229,7 @@ def needle(
     heavy: int = HEAVY,
     recent: int = RECENT,
     peer: str = PEER,
+    kv_bits: int = KV_BITS,
     png: Path = typer.Option(None, "--png", help="Write the heatmap (depth x length) here."),
     compare: list[Path] = typer.Option(None, "--compare", help="Other needle result JSONs drawn next to this one."),
     json_path: Path = JSON,
@@ -247,7 +251,7 @@ def needle(
             if not path.is_file():
                 raise FileNotFoundError(f"--compare {path} does not exist")
             others.append(json.loads(path.read_text()))
-        setting = kv_setting(policy, budget, heavy, recent, peer)
+        setting = kv_setting(policy, budget, heavy, recent, peer, kv_bits)
         parse_ints(lengths, "lengths", 1), parse_ints(depths, "depths", 0, 100)  # before the model loads
         from ..models import model_context_length
 

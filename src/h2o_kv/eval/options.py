@@ -31,6 +31,12 @@ PEER = typer.Option(
     help="Run a kvpress press instead of a policy: observed_attention, snapkv, tova, streaming_llm, knorm.",
 )
 JSON = typer.Option(None, "--json", help="Write the result JSON here (resumable).")
+KV_BITS = typer.Option(
+    None,
+    "--kv-bits",
+    help="Store the kept KV entries quantized: 8 or 4 bits, group 64 (H2OCache(kv_bits=...)); with --policy dynamic: "
+    "transformers' QuantizedCache (quanto, 4-bit). Default: full precision.",
+)
 
 
 def kv_setting(
@@ -39,8 +45,9 @@ def kv_setting(
     heavy: int | None = None,
     recent: int | None = None,
     peer: str | None = None,
+    kv_bits: int | None = None,
 ) -> KVSetting:
-    """The KV setting of the command-line options: ``--policy`` (default ``h2o``) or ``--peer PRESS``."""
+    """The KV setting of the command-line options: ``--policy`` (default ``h2o``) or ``--peer PRESS``; ``--kv-bits``."""
     if peer is not None:
         from ..peers import check_press
 
@@ -49,7 +56,12 @@ def kv_setting(
         name = PRESS_PREFIX + check_press(peer)
     else:
         name = "h2o" if policy is None else policy
-    return KVSetting.of(name, budget=budget, heavy=heavy, recent=recent, option="--policy")
+    if kv_bits is not None:
+        from ..hf.quant import KV_BITS as allowed
+
+        if kv_bits not in allowed:
+            raise ValueError(f"--kv-bits must be one of {', '.join(map(str, allowed))}; got {kv_bits}")
+    return KVSetting.of(name, budget=budget, heavy=heavy, recent=recent, option="--policy", kv_bits=kv_bits)
 
 
 def option_int(options: dict[str, Any], name: str, default: int | None = None) -> int | None:

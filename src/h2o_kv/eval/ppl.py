@@ -123,7 +123,7 @@ class PPLJob:
     @property
     def path(self) -> str:
         """How the NLLs are computed (all three give the same numbers)."""
-        if self.token_by_token:
+        if self.token_by_token or self.per_token:
             return "one forward per token"
         return "stepwise chunks (fast, exact)" if self.setting.bounded else "causal chunks (nothing evicted: exact)"
 
@@ -134,11 +134,17 @@ class PPLJob:
             raise PPLInputError(f"--tokens {self.tokens} is larger than the text ({ids.shape[1]} tokens)")
         return ids[:, : self.tokens]
 
-    def make_cache(self):
+    @property
+    def per_token(self) -> bool:
+        """transformers' QuantizedCache (``dynamic`` with ``kv_bits``) is fed one token per forward: a causal chunk
+        would attend to its own tokens unquantized, which is not the protocol."""
+        return self.setting.kv_bits is not None and not self.setting.uses_h2o_cache
+
+    def make_cache(self, config=None):
         """The run's cache: stepwise for a bounded setting (every token a decode step), plain otherwise."""
         extra = {"streaming": True} if self.streaming else {}
         return self.setting.make_cache(
-            prompt_length=self.tokens, stepwise=self.setting.bounded and not self.token_by_token,
+            prompt_length=self.tokens, stepwise=self.setting.bounded and not self.token_by_token, config=config,
             **extra, **self.policy_options,
         )  # fmt: skip
 
@@ -237,9 +243,9 @@ def run_ppl(
 ) -> dict[str, Any]:
     """Run ``job`` on a loaded model; returns the result record (also written to ``json_path`` when given)."""
     ids = job.token_ids(tokenizer)
-    cache = job.make_cache()
+    cache = job.make_cache(model.config) if job.per_token else job.make_cache()  # QuantizedCache needs the config
     started = time.perf_counter()
-    if job.token_by_token:
+    if job.token_by_token or job.per_token:
         nll = token_by_token_nll(model, ids, cache, progress)
     else:
         nll = streaming_nll(model, ids, cache, job.chunk, progress)

@@ -34,7 +34,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from .. import kernels
 from ..budget import Budget
 from ..policies import EntryView, Policy, make_policy
-from . import compat
+from . import compat, quant
+from .quant import QuantizedSlots
 
 NO_START = 2**60  # `start` of a sequence that has shown no real token yet
 _STAGED = threading.local()
@@ -86,6 +87,7 @@ class Candidates:
     pos: torch.Tensor
     valid: torch.Tensor
     scores: torch.Tensor
+    stored: tuple[QuantizedSlots, QuantizedSlots] | None = None  # kv_bits: the candidates' keys/values as stored
 
 
 class H2OLayer(compat.LayerNames, CacheLayerMixin):
@@ -113,6 +115,9 @@ class H2OLayer(compat.LayerNames, CacheLayerMixin):
         self.pos = torch.zeros((batch, heads, 0), dtype=torch.long, device=self.device)
         self.valid = torch.zeros((batch, heads, 0), dtype=torch.bool, device=self.device)
         self.scores = torch.zeros((batch, heads, 0), dtype=torch.float32, device=self.device)
+        if self.cache.kv_bits is not None:  # codes + scales + zeros, and the full-precision ring (hf/quant.py)
+            quant = (self.cache.kv_bits, self.cache.kv_group_size, self.cache.kv_residual)
+            self.keys, self.values = QuantizedSlots.empty(self.keys, *quant), QuantizedSlots.empty(self.values, *quant)
         self.start = torch.full((batch,), NO_START, dtype=torch.long, device=self.device)
         self._all_started = False
         self._free, self.full = None, False
@@ -141,14 +146,20 @@ class H2OLayer(compat.LayerNames, CacheLayerMixin):
             scores=self.scores if scores is None else scores,
             seen=self.seen,
             start=self.start,
-            keys=(self.keys if keys is None else keys) if policy.needs_keys else None,
+            keys=(self.full_keys() if keys is None else keys) if policy.needs_keys else None,
         )
+
+    def full_keys(self) -> torch.Tensor:
+        """The slots' keys in full precision (dequantized with ``kv_bits``)."""
+        return self.keys.read(self.pos, self.seen) if isinstance(self.keys, QuantizedSlots) else self.keys
 
     def _resize(self, slots: int) -> None:
         """Reallocate the buffer to ``slots`` slots, keeping the first ``min(old, new)`` entries."""
         keep = min(slots, self.slots)
 
         def resized(t: torch.Tensor, fill) -> torch.Tensor:
+            if isinstance(t, QuantizedSlots):
+                return t.resized(slots)
             out = t.new_full((*t.shape[:2], slots, *t.shape[3:]), fill)
             out[:, :, :keep] = t[:, :, :keep]
             return out
@@ -219,13 +230,21 @@ class H2OLayer(compat.LayerNames, CacheLayerMixin):
         if is_real is not None:
             new_valid &= is_real[:, None, :]
         self._note_start(is_real if is_real is not None else new_valid[:, 0])
+        stored = None
+        if isinstance(self.keys, QuantizedSlots):  # kept entries read back; the chunk's own are exact in this pass
+            stored = (self.keys.with_chunk(keys), self.values.with_chunk(values))
+            keys = torch.cat([self.keys.read(self.pos, self.seen), keys], dim=2)
+            values = torch.cat([self.values.read(self.pos, self.seen), values], dim=2)
+        else:
+            keys, values = torch.cat([self.keys, keys], dim=2), torch.cat([self.values, values], dim=2)
         self.seen += chunk
         return Candidates(
-            keys=torch.cat([self.keys, keys], dim=2),
-            values=torch.cat([self.values, values], dim=2),
+            keys=keys,
+            values=values,
             pos=torch.cat([self.pos, columns.expand(batch, heads, chunk)], dim=2),
             valid=torch.cat([self.valid, new_valid], dim=2),
             scores=torch.cat([self.scores, self.scores.new_zeros((batch, heads, chunk))], dim=2),
+            stored=stored,
         )
 
     def keep(self, chunk: Candidates, mass: torch.Tensor | None, last: torch.Tensor | None) -> None:
@@ -240,12 +259,18 @@ class H2OLayer(compat.LayerNames, CacheLayerMixin):
             index = rank.masked_fill(~chunk.valid, -math.inf).topk(keep, dim=-1).indices
         # a full budget will need its one free slot at the next token; a shorter prompt grows one slot at a time
         slots = keep + 1 if keep == policy.capacity and policy.evicts_during_decode else keep
+        new = chunk.keys.shape[2] - self.slots  # the chunk's own entries, last among the candidates
         if self.slots != slots:
             self._resize(slots)
         self._free, self.full = None, False
         self.valid.fill_(False)
         for name in ("keys", "values", "pos", "valid", "scores"):
             source = getattr(chunk, name)
+            if chunk.stored is not None and name in ("keys", "values"):  # codes kept as stored, never re-quantized
+                stored = chunk.stored[name == "values"]
+                getattr(self, name).assign(stored if index is None else stored.gathered(index), keep)
+                getattr(self, name).remember(source[:, :, -new:], self.seen - new)
+                continue
             if index is not None:
                 gather_index = index if source.dim() == 3 else index.unsqueeze(-1).expand(-1, -1, -1, source.shape[-1])
                 source = source.gather(2, gather_index)
@@ -267,12 +292,16 @@ class H2OLayer(compat.LayerNames, CacheLayerMixin):
                 self._resize(self.slots + 1)  # grow as a plain cache does: never more slots than entries + 1
             free = self.valid.byte().argmin(-1, keepdim=True)  # [batch, heads, 1]: the first free slot
         real = None if is_real is None or bool(is_real.all()) else is_real
-        ops = kernels.cpu_ops(self.keys, self.values, self.pos, self.scores, self.valid, free)
+        quantized = isinstance(self.keys, QuantizedSlots)  # the fused write is for plain buffers
+        ops = None if quantized else kernels.cpu_ops(self.keys, self.values, self.pos, self.scores, self.valid, free)
         if ops is not None:  # one fused pass for the five writes below
             ops.write_slot(self.keys, self.values, self.pos, self.scores, self.valid, free, key.contiguous(),
                            value.contiguous(), self.seen)  # fmt: skip
         else:
             for buffer, new in ((self.keys, key), (self.values, value)):
+                if quantized:
+                    buffer.write(free, new, self.seen)
+                    continue
                 buffer.scatter_(2, free.unsqueeze(-1).expand(-1, -1, -1, new.shape[-1]), new)
             self.pos.scatter_(2, free, self.seen)
             self.scores.scatter_(2, free, 0.0)
@@ -331,6 +360,10 @@ class H2OCache(Cache):
             before RoPE and re-rotated at their rank inside the cache at every step, so the model never sees a
             position beyond ``heavy + recent`` however long the stream (see :mod:`h2o_kv.hf.rotary`). Needs a RoPE
             model and a bounded policy; feed long texts with ``stepwise=True``.
+        kv_bits: store the kept entries quantized, 8 bits or 4 bits (two per byte), with a scale and a zero point per
+            ``kv_group_size`` numbers of each entry (64, as transformers' ``QuantizedCache``); the newest
+            ``kv_residual`` columns (64) are also held in full precision and read from there. ``None`` (default):
+            full precision. The format and which entries stay exact: :mod:`h2o_kv.hf.quant`.
 
     The model's attention implementation must be ``"h2o"``: ``h2o_kv.load_model`` sets it, and
     ``h2o_kv.enable_h2o(model)`` does it for a model loaded with plain ``transformers``.
@@ -346,9 +379,17 @@ class H2OCache(Cache):
         prefill_chunk_mb: float = 64.0,
         stepwise: bool = False,
         streaming: bool = False,
+        kv_bits: int | None = None,
+        kv_group_size: int = quant.DEFAULT_GROUP,
+        kv_residual: int = quant.DEFAULT_RESIDUAL,
         **policy_options,
     ):
         super().__init__(layers=[])
+        self.kv_bits = quant.check_bits(kv_bits)
+        self.kv_group_size = quant.check_group(kv_group_size)
+        if not isinstance(kv_residual, int) or isinstance(kv_residual, bool) or kv_residual < 0:
+            raise ValueError(f"kv_residual must be an integer >= 0; got {kv_residual!r}")
+        self.kv_residual = kv_residual
         if not prefill_chunk_mb > 0:
             raise ValueError(f"prefill_chunk_mb must be > 0, got {prefill_chunk_mb}")
         self.prefill_chunk_bytes = int(prefill_chunk_mb * 2**20)
@@ -424,10 +465,13 @@ class H2OCache(Cache):
         held = self.kept_entries()
 
         def nbytes(t: torch.Tensor) -> int:
-            return t.numel() * t.element_size()
+            return t.nbytes() if isinstance(t, QuantizedSlots) else t.numel() * t.element_size()
+
+        def token_bytes(t: torch.Tensor) -> int:  # one token of a full cache in the model's dtype
+            return t.shape[0] * t.shape[1] * t.shape[3] * t.dtype.itemsize
 
         kv_bytes = sum(nbytes(layer.keys) + nbytes(layer.values) for layer in layers)
-        per_token = sum(nbytes(layer.keys[:, :, :1]) + nbytes(layer.values[:, :, :1]) for layer in layers)
+        per_token = sum(token_bytes(layer.keys) + token_bytes(layer.values) for layer in layers)
         return {
             "policy": self.policy.describe() if self.policy else self.policy_name,
             "heavy": self.heavy,
@@ -442,4 +486,5 @@ class H2OCache(Cache):
             "kv_bytes": kv_bytes,
             "full_kv_bytes": per_token * seen,
             "kv_ratio": kv_bytes / (per_token * seen) if seen else 1.0,
+            "kv_bits": self.kv_bits,
         }

@@ -298,6 +298,12 @@ class PositionRoller:
 
     def step(self, i: int, layer):
         """Query row ``i`` and the layer's slots after that row's key was written, at relative positions."""
+        query, factors = self.step_factors(i, layer)
+        return query, _apply(layer.keys, factors)
+
+    def step_factors(self, i: int, layer):
+        """Query row ``i`` and the complex factors ``[B, H, slots, D/2]`` that rotate each slot's raw key to its
+        position relative to the query (applied per block to dequantized keys with ``kv_bits``)."""
         if self._step_query is None:  # every query at in-cache position 0 (only RoPE's scaling applies)
             self._step_query = self.raw_query if self.unit else _apply(self.raw_query, self.table[0])
         # distance of each kept entry to the query = number of valid entries newer than it, + 1 for a pad query
@@ -306,5 +312,4 @@ class PositionRoller:
         distance = torch.empty_like(newest_first).scatter_(-1, newest_first, ranks)
         if self.is_real is not None:
             distance = distance + (~self.is_real[:, i]).long().view(-1, 1, 1)
-        keys = _apply(layer.keys, self._lookup(distance, self.inverse))
-        return self._step_query[:, :, i : i + 1], keys
+        return self._step_query[:, :, i : i + 1], self._lookup(distance, self.inverse)

@@ -22,6 +22,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .cache import claim_step
+from .quant import QuantizedSlots, attend_step
 from .rotary import PositionRoller, raw_keys, rope_at
 
 ATTENTION_NAME = "h2o"
@@ -203,6 +204,15 @@ def h2o_attention_forward(
     outputs = []
     for i in range(rows):  # decode step(s): write, attend over the slots, score, evict
         layer.append(keys[:, :, i : i + 1], values[:, :, i : i + 1], None if is_real is None else is_real[:, i])
+        if isinstance(layer.keys, QuantizedSlots):  # kv_bits: slots dequantized block by block (hf/quant.py)
+            step_query, factors = (query[:, :, i : i + 1], None) if roll is None else roll.step_factors(i, layer)
+            output, mass, last = attend_step(
+                step_query, layer.keys, layer.values, layer.pos, None if layer.full else layer.valid, layer.seen - 1,
+                scaling, sliding_window=sliding_window, key_factors=factors, **options,
+            )  # fmt: skip
+            layer.evict(mass, last)
+            outputs.append(output)
+            continue
         step_query, step_keys = (query[:, :, i : i + 1], layer.keys) if roll is None else roll.step(i, layer)
         key_valid = None if layer.full else layer.valid  # full: every slot valid, all in the step's past
         output, mass, last = attention_with_mass(

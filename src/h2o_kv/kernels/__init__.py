@@ -7,6 +7,9 @@ kernels here do the same work in one pass per step part: :func:`cpu_ops` returns
 ``torch.utils.cpp_extension``, about 30 s, cached under ``$H2O_KV_CACHE_DIR/kernels``) or ``None`` when they
 cannot be used, and the callers then run the equivalent torch ops (the tests check both agree). Set
 ``H2O_KV_FUSED=0`` to turn them off.
+
+:func:`quant_ops` (``quant_attend.cpp``, the same build and switch) is the decode attention over quantized slots
+(``H2OCache(kv_bits=...)``): it reads the 4/8-bit codes in place instead of dequantizing blocks of them first.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import warnings
 import torch
 
 _SOURCE = pathlib.Path(__file__).with_name("decode_step.cpp")
+_QUANT_SOURCE = pathlib.Path(__file__).with_name("quant_attend.cpp")
 _loaded: dict[str, object] = {}
 _build_lock = threading.Lock()
 
@@ -48,7 +52,18 @@ def cpu_ops(*tensors: torch.Tensor):
     return _loaded["ops"]
 
 
-def _build():
+def quant_ops(*tensors: torch.Tensor):
+    """The compiled quantized decode attention when it applies to ``tensors`` (CPU, contiguous), else ``None``."""
+    if not all(t.device.type == "cpu" and t.is_contiguous() for t in tensors):
+        return None
+    if "quant" not in _loaded:
+        with _build_lock:
+            if "quant" not in _loaded:
+                _loaded["quant"] = _build(_QUANT_SOURCE) if enabled() else None
+    return _loaded["quant"]
+
+
+def _build(source: pathlib.Path = _SOURCE):
     from torch.utils.cpp_extension import load
 
     if shutil.which("ninja") is None:  # the `ninja` wheel's binary, when its environment's bin is not on PATH
@@ -56,17 +71,19 @@ def _build():
             import ninja
 
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-    digest = hashlib.sha256(_SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
+    digest = hashlib.sha256(source.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
     root = pathlib.Path(os.environ.get("H2O_KV_CACHE_DIR") or "~/.cache/h2o-kv").expanduser()
-    build_dir = root / "kernels" / f"decode_step-{digest}"
+    build_dir = root / "kernels" / f"{source.stem}-{digest}"
     try:
         build_dir.mkdir(parents=True, exist_ok=True)
         if not any(build_dir.glob("*.so")):
             print("h2o-kv: compiling the fused CPU decode kernels (once, about 30 s)...", file=sys.stderr, flush=True)
         return load(
-            name=f"h2o_kv_decode_step_{digest}",
-            sources=[str(_SOURCE)],
-            extra_cflags=["-O3"],
+            name=f"h2o_kv_{source.stem}_{digest}",
+            sources=[str(source)],
+            # quant_attend: OpenMP for at::parallel_for over rows; decode_step: the flags it was always built with
+            **({"extra_cflags": ["-O3", "-fopenmp"], "extra_ldflags": ["-fopenmp"]} if source == _QUANT_SOURCE
+               else {"extra_cflags": ["-O3"]}),  # fmt: skip
             build_directory=str(build_dir),
         )
     except Exception as error:  # no compiler, no ninja, ...: correct but slower torch ops
