@@ -9,7 +9,8 @@ layer keeps a boolean ``kept`` row per KV head plus float64 scores. Every forwar
 * a multi-token chunk (a prompt) is then cut to ``heavy + recent``: the last ``recent`` columns plus the
   ``heavy`` best-scored others; a single token (a decode step) evicts the lowest-scored column outside the
   last ``recent`` if more than ``heavy + recent`` are kept. ``local`` and ``sink`` rank by recency instead
-  (``sink`` always keeps the first ``sinks`` columns); ``tova`` ranks by the last query row only.
+  (``sink`` always keeps the first ``sinks`` columns); ``tova`` ranks by the last query row only; ``a2sf`` is
+  ``h2o`` with ``scores = decay * scores + probs``.
 """
 
 from __future__ import annotations
@@ -24,15 +25,18 @@ NAME = "h2o_reference"
 
 
 class ReferenceState:
-    def __init__(self, heavy: int, recent: int, policy: str = "h2o", sinks: int = 4, stepwise: bool = False):
+    def __init__(
+        self, heavy: int, recent: int, policy: str = "h2o", sinks: int = 4, stepwise: bool = False, decay: float = 1.0
+    ):
         self.heavy, self.recent, self.policy, self.sinks, self.stepwise = heavy, recent, policy, sinks, stepwise
+        self.decay = decay
         self.kept: dict[int, torch.Tensor] = {}  # layer -> [kv_heads, columns] bool
         self.scores: dict[int, torch.Tensor] = {}  # layer -> [kv_heads, columns] float64
 
     def rank(self, layer: int, columns: int, last_row: torch.Tensor | None) -> torch.Tensor:
         """Higher is kept. ``last_row``: the newest query's probabilities (tova)."""
         position = torch.arange(columns, dtype=torch.float64).expand_as(self.scores[layer])
-        if self.policy == "h2o":
+        if self.policy in ("h2o", "a2sf"):
             rank = self.scores[layer].clone()
             rank[:, columns - self.recent :] = float("inf")
         elif self.policy == "h2o_mean":  # summed attention / number of queries that saw the column
@@ -92,7 +96,7 @@ def reference_attention(module, query, key, value, attention_mask, scaling=None,
         )  # fmt: skip
         outputs.append(out)
         per_kv = probs[0].double().view(kv_heads, group, r1 - r0, visible_columns)
-        state.scores[layer] += per_kv.sum(dim=(1, 2))
+        state.scores[layer] = state.scores[layer] * state.decay + per_kv.sum(dim=(1, 2))
         last_row = per_kv[:, :, -1].sum(1)
         if state.policy == "tova":
             state.scores[layer] = last_row.clone()
@@ -120,7 +124,7 @@ AttentionMaskInterface.register(NAME, _no_mask)
 
 
 @torch.no_grad()
-def reference_generate(model, input_ids, max_new_tokens, heavy, recent, policy="h2o", turns=()):
+def reference_generate(model, input_ids, max_new_tokens, heavy, recent, policy="h2o", turns=(), decay=1.0):
     """Greedy decoding under the reference H2O, one token per forward after the prompt.
 
     ``turns``: further token lists appended (as one chunk each) after the previous turn's generation, like a
@@ -130,7 +134,7 @@ def reference_generate(model, input_ids, max_new_tokens, heavy, recent, policy="
     eos = model.generation_config.eos_token_id
     eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
     global STATE
-    STATE = ReferenceState(heavy, recent, policy)
+    STATE = ReferenceState(heavy, recent, policy, decay=decay)
     previous = model.config._attn_implementation
     model.set_attn_implementation(NAME)
     try:
