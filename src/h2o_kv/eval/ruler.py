@@ -354,8 +354,9 @@ def run_ruler(
 ) -> dict[str, Any]:
     """Run every item (resumable through the item log) and write the result record."""
     runner = KVRunner(model, job.setting)
+    # what an item's answer depends on (not which items run: a run with more items or lengths reuses finished ones)
     settings = {"model": model_name, **job.setting.fields(), "seed": job.seed, "protocol": job.protocol,
-                "lengths": job.lengths, "tasks": job.tasks, "n": job.n}  # fmt: skip
+                "max_new_tokens": MAX_NEW_TOKENS}  # fmt: skip
     log = ItemLog(item_log_path(json_path), settings) if json_path is not None else None
     eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
     start = time.time()
