@@ -102,6 +102,7 @@ def test_bad_options(tokenizer, tmp_path):
     assert result.exit_code == 2 and "--protocol must be one of" in result.output
 
 
+@pytest.mark.slow
 @haystack
 def test_run_resumes_and_records(default_model, tmp_path):
     model, tokenizer = default_model
