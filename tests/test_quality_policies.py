@@ -11,7 +11,7 @@ from reference import reference_generate
 
 from h2o_kv import POLICIES, H2OCache, load_model
 from h2o_kv.hf.compat import cache_kwargs
-from h2o_kv.policies import AdaH2O, EntryView, make_policy
+from h2o_kv.policies import AdaH2O, make_policy
 
 
 @pytest.fixture(scope="module")
@@ -179,10 +179,3 @@ def test_head_adaptive_keeps_the_layer_total(tiny, policy, options):
     grows = 0 if cache.policy.evicts_during_decode else 9  # snapkv compresses once, then the cache grows
     for layer in cache.layers:
         assert int(layer.valid.sum()) == heads * (capacity + grows)
-
-
-def test_head_adaptive_entry_view_scores_are_comparable():
-    """The joint top-B only makes sense on one scale: H2O's mass is; the EntryView is unchanged by the mixin."""
-    entries = EntryView(pos=torch.arange(4).view(1, 1, 4), valid=torch.ones(1, 1, 4, dtype=torch.bool),
-                        scores=torch.tensor([[[3.0, 1.0, 2.0, 0.0]]]), seen=4, start=torch.tensor([0]))  # fmt: skip
-    assert torch.equal(AdaH2O(heavy=1, recent=1).keep_score(entries), make_policy("h2o", 1, 1).keep_score(entries))
