@@ -9,7 +9,8 @@ layer keeps a boolean ``kept`` row per KV head plus float64 scores. Every forwar
 * a multi-token chunk (a prompt) is then cut to ``heavy + recent``: the last ``recent`` columns plus the
   ``heavy`` best-scored others; a single token (a decode step) evicts the lowest-scored column outside the
   last ``recent`` if more than ``heavy + recent`` are kept. ``local`` and ``sink`` rank by recency instead
-  (``sink`` always keeps the first ``sinks`` columns); ``tova`` ranks by the last query row only.
+  (``sink`` always keeps the first ``sinks`` columns); ``tova`` ranks by the last query row only; ``a2sf`` is
+  ``h2o`` with ``scores = decay * scores + probs``.
 
 With ``kv_bits`` (``H2OCache(kv_bits=...)``'s storage, written out plainly): attention reads each column's key and
 value through a min/max round trip (``kv_group`` numbers per scale and zero point) unless the column belongs to the
@@ -32,18 +33,19 @@ NAME = "h2o_reference"
 class ReferenceState:
     def __init__(
         self, heavy: int, recent: int, policy: str = "h2o", sinks: int = 4, stepwise: bool = False,
-        kv_bits: int | None = None, kv_group: int = 64, kv_residual: int = 64, rotary=None,
+        kv_bits: int | None = None, kv_group: int = 64, kv_residual: int = 64, rotary=None, decay: float = 1.0,
     ):  # fmt: skip
         self.heavy, self.recent, self.policy, self.sinks, self.stepwise = heavy, recent, policy, sinks, stepwise
         self.kv_bits, self.kv_group, self.kv_residual = kv_bits, kv_group, kv_residual
         self.rotary = rotary  # the model's rotary embedding: streaming positions
+        self.decay = decay
         self.kept: dict[int, torch.Tensor] = {}  # layer -> [kv_heads, columns] bool
         self.scores: dict[int, torch.Tensor] = {}  # layer -> [kv_heads, columns] float64
 
     def rank(self, layer: int, columns: int, last_row: torch.Tensor | None) -> torch.Tensor:
         """Higher is kept. ``last_row``: the newest query's probabilities (tova)."""
         position = torch.arange(columns, dtype=torch.float64).expand_as(self.scores[layer])
-        if self.policy == "h2o":
+        if self.policy in ("h2o", "a2sf"):
             rank = self.scores[layer].clone()
             rank[:, columns - self.recent :] = float("inf")
         elif self.policy == "h2o_mean":  # summed attention / number of queries that saw the column
@@ -153,7 +155,7 @@ def reference_attention(module, query, key, value, attention_mask, scaling=None,
         out, probs = _attend(module, step_query, step_key, step_value, scaling, old + r0, state, layer)
         outputs.append(out)
         per_kv = probs[0].double().view(kv_heads, group, r1 - r0, visible_columns)
-        state.scores[layer] += per_kv.sum(dim=(1, 2))
+        state.scores[layer] = state.scores[layer] * state.decay + per_kv.sum(dim=(1, 2))
         last_row = per_kv[:, :, -1].sum(1)
         if state.policy == "tova":
             state.scores[layer] = last_row.clone()
@@ -186,7 +188,7 @@ def reference_generate(model, input_ids, max_new_tokens, heavy, recent, policy="
 
     ``turns``: further token lists appended (as one chunk each) after the previous turn's generation, like a
     multi-turn chat on one cache. End-of-sequence tokens are never chosen (as ``min_new_tokens`` does).
-    ``options``: ``kv_bits``, ``kv_group``, ``kv_residual``, ``streaming`` (see the module docstring).
+    ``options``: ``kv_bits``, ``kv_group``, ``kv_residual``, ``streaming`` (see the module docstring), ``decay`` (a2sf).
     Returns (generated token ids per turn, raw logits per generated token).
     """
     eos = model.generation_config.eos_token_id

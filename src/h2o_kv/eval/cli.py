@@ -272,5 +272,53 @@ def needle(
     _wrote(json_path, png)
 
 
+@app.command()
+def ruler(
+    lengths: str = typer.Option("1024,2048,4096", "--lengths", help="Prompt lengths in tokens."),
+    tasks: str = typer.Option(
+        "niah_single,niah_multikey,niah_multivalue,niah_multiquery,vt,cwe,fwe", "--tasks", help="RULER tasks."
+    ),
+    n: int = typer.Option(10, "--n", help="Items per task and length."),
+    seed: int = typer.Option(0, "--seed", help="Generation seed (0: the evaluation split; 1: the tuning split)."),
+    protocol: str = typer.Option(
+        "question_after", "--protocol", help="question_after (not seen while compressing) or question_in_prompt."
+    ),
+    policy: str = POLICY,
+    budget: float = BUDGET,
+    heavy: int = HEAVY,
+    recent: int = RECENT,
+    peer: str = PEER,
+    json_path: Path = JSON,
+    model: str = MODEL,
+    dtype: str = DTYPE,
+    device: str = DEVICE,
+):
+    """RULER-style synthetic suite (needles, variable tracking, common/frequent words), generated from a seed."""
+    from .ruler import RulerJob, run_ruler
+    from .runner import ModelHandle, check_protocol
+
+    handle = ModelHandle(model, dtype, device)
+
+    def make():
+        setting = kv_setting(policy, budget, heavy, recent, peer)
+        check_protocol(setting, False)
+        from ..models import model_context_length
+
+        RulerJob.create(setting, handle.tokenizer(), lengths=lengths, tasks=tasks, n=n, seed=seed, protocol=protocol)
+        return RulerJob.create(
+            setting, handle.tokenizer(), lengths=lengths, tasks=tasks, n=n, seed=seed, protocol=protocol,
+            max_length=model_context_length(handle.model()),
+        )  # fmt: skip
+
+    job, loaded = _prepare(make, handle)
+    bar, advance = _bar(len(job.lengths) * len(job.tasks) * job.n, f"ruler {job.setting.name}")
+    with bar:
+        record = run_ruler(job, loaded, handle.tokenizer(), json_path, model_name=handle.label, progress=advance)
+    metrics = record["metrics"]
+    for key in [k for k in metrics if not k.endswith("_stderr")]:
+        typer.echo(f"{key} {metrics[key]:.3f} ± {metrics[key + '_stderr'] or 0:.3f}")
+    _wrote(json_path)
+
+
 if __name__ == "__main__":
     app()

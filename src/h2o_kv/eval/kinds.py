@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import needle, ppl, tasks, xsum
+from . import needle, ppl, ruler, tasks, xsum
 
 Progress = Callable[[int], None]
 
@@ -41,6 +41,7 @@ KINDS: dict[str, Kind] = {
         Kind("tasks", tasks.sweep_prepare, tasks.sweep_run, tasks.sweep_check, "lm-eval tasks (h2o-kv eval tasks)"),
         Kind("xsum", xsum.sweep_prepare, xsum.sweep_run, None, "XSUM ROUGE (h2o-kv eval xsum)"),
         Kind("needle", needle.sweep_prepare, needle.sweep_run, None, "needle in a haystack (h2o-kv eval needle)"),
+        Kind("ruler", ruler.sweep_prepare, ruler.sweep_run, None, "RULER-style synthetic suite (h2o-kv eval ruler)"),
     )
 }
 

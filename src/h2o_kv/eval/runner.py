@@ -136,10 +136,14 @@ class KVRunner:
         *,
         eos_ids: Sequence[int] = (),
         stop: Callable[[list[int]], bool] | None = None,
+        then: Sequence[int] = (),
     ) -> tuple[list[int], Session]:
-        """Greedy decoding of up to ``max_new_tokens`` tokens; stops after an EOS id or when ``stop(tokens)``."""
+        """Greedy decoding of up to ``max_new_tokens`` tokens; stops after an EOS id or when ``stop(tokens)``.
+
+        ``then``: tokens fed after the prompt is compressed and before decoding (a question not seen while
+        compressing: decode steps, with eviction for a policy that evicts while decoding)."""
         session = self.prefill(ids)
-        logits = session.logits
+        logits = session.logits if not len(then) else self.extend(session, torch.tensor([list(then)]))[:, -1]
         tokens: list[int] = []
         for step in range(max_new_tokens):
             token = int(logits[0].argmax())

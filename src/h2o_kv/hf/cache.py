@@ -105,6 +105,7 @@ class H2OLayer(compat.LayerNames, CacheLayerMixin):
         # exactly that; `full` means every slot holds an entry (then attention needs no mask)
         self._free: torch.Tensor | None = None
         self.full = False
+        self.head_capacity: torch.Tensor | None = None  # [batch, heads] after a head-adaptive selection
 
     # -- storage --------------------------------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -132,6 +133,10 @@ class H2OLayer(compat.LayerNames, CacheLayerMixin):
         """The most slots this layer may ever allocate: ``capacity + 1`` for a policy that evicts every step."""
         policy = self.cache.policy
         return policy.capacity + 1 if policy.evicts_during_decode else math.inf
+
+    def capacity(self) -> torch.Tensor | float:
+        """Entries each (sequence, KV head) may keep: the policy's capacity, or the head-adaptive counts."""
+        return self.cache.policy.capacity if self.head_capacity is None else self.head_capacity
 
     def entry_count(self) -> torch.Tensor:
         """Valid entries per (sequence, KV head)."""
@@ -210,12 +215,16 @@ class H2OLayer(compat.LayerNames, CacheLayerMixin):
         if self.is_initialized:
             for name in ("keys", "values", "pos", "valid", "scores", "start"):
                 setattr(self, name, getattr(self, name).index_select(0, indices.to(self.device)))
+            if self.head_capacity is not None:
+                self.head_capacity = self.head_capacity.index_select(0, indices.to(self.device))
             self._free, self.full = None, False
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.is_initialized:
             for name in ("keys", "values", "pos", "valid", "scores", "start"):
                 setattr(self, name, getattr(self, name).repeat_interleave(repeats, dim=0))
+            if self.head_capacity is not None:
+                self.head_capacity = self.head_capacity.repeat_interleave(repeats, dim=0)
             self._free, self.full = None, False
 
     def crop(self, max_length: int) -> None:
@@ -253,12 +262,14 @@ class H2OLayer(compat.LayerNames, CacheLayerMixin):
         chunk.scores = policy.accumulate(chunk.scores, mass, last)
         counts = chunk.valid.sum(-1)
         keep = int(min(policy.capacity, counts.max()))
-        index = None
+        index = held = None
         if keep < chunk.valid.shape[2] or not bool(chunk.valid.all()):
             rank = policy.keep_score(self.view(chunk.pos, chunk.valid, chunk.scores, chunk.keys))
-            index = rank.masked_fill(~chunk.valid, -math.inf).topk(keep, dim=-1).indices
+            index, held = policy.select(rank.masked_fill(~chunk.valid, -math.inf), keep)
+        width = keep if held is None else index.shape[2]  # head-adaptive: padded to the largest head's count
+        self.head_capacity = held if held is not None and keep == policy.capacity else None
         # a full budget will need its one free slot at the next token; a shorter prompt grows one slot at a time
-        slots = keep + 1 if keep == policy.capacity and policy.evicts_during_decode else keep
+        slots = width + 1 if keep == policy.capacity and policy.evicts_during_decode else width
         new = chunk.keys.shape[2] - self.slots  # the chunk's own entries, last among the candidates
         if self.slots != slots:
             self._resize(slots)
@@ -268,13 +279,15 @@ class H2OLayer(compat.LayerNames, CacheLayerMixin):
             source = getattr(chunk, name)
             if chunk.stored is not None and name in ("keys", "values"):  # codes kept as stored, never re-quantized
                 stored = chunk.stored[name == "values"]
-                getattr(self, name).assign(stored if index is None else stored.gathered(index), keep)
+                getattr(self, name).assign(stored if index is None else stored.gathered(index), width)
                 getattr(self, name).remember(source[:, :, -new:], self.seen - new)
                 continue
             if index is not None:
                 gather_index = index if source.dim() == 3 else index.unsqueeze(-1).expand(-1, -1, -1, source.shape[-1])
                 source = source.gather(2, gather_index)
-            getattr(self, name)[:, :, :keep] = source
+            getattr(self, name)[:, :, :width] = source
+        if held is not None:
+            self.valid[:, :, :width] &= torch.arange(width, device=self.device) < held.unsqueeze(-1)
         self.peak_entries = max(self.peak_entries, int(self.entry_count().max()))
 
     def _note_start(self, is_real: torch.Tensor) -> None:
@@ -321,6 +334,7 @@ class H2OLayer(compat.LayerNames, CacheLayerMixin):
             self.scores = policy.accumulate(self.scores, mass, last)
             self.peak_entries = max(self.peak_entries, self.slots if self.full else int(self.entry_count().max()))
             return
+        capacity = self.capacity()
         if self.full and self.slots > policy.capacity:  # steady state: every slot valid, all over the budget
             self.peak_entries = max(self.peak_entries, self.slots)
             self.scores, victim = policy.decode_victim(self.view(), mass, last)
@@ -329,14 +343,14 @@ class H2OLayer(compat.LayerNames, CacheLayerMixin):
             return
         self.scores = policy.accumulate(self.scores, mass, last)
         self.peak_entries = max(self.peak_entries, int(self.entry_count().max()))
-        over = self.entry_count() > policy.capacity
+        over = self.entry_count() > capacity
         n_over = int(over.sum())
         if n_over == 0:
             return
         rank = policy.keep_score(self.view())
         victim = torch.where(self.valid, rank, math.inf).min(-1, keepdim=True).indices  # the first lowest, as argmin
         self.valid.scatter_(2, victim, self.valid.gather(2, victim) & ~over.unsqueeze(-1))
-        if n_over == over.numel() and self.slots == policy.capacity + 1:
+        if n_over == over.numel() and bool(torch.all(torch.as_tensor(capacity) + 1 == self.slots)):
             self._free = victim  # every slot was valid (entries > capacity = slots - 1): the victim is the free one
 
 
@@ -412,6 +426,8 @@ class H2OCache(Cache):
                 self.policy = probe
         if self.streaming and self.policy is not None and not self.policy.bounded:
             raise ValueError("streaming=True needs a bounded policy (h2o, sink, local, ...), not 'full'")
+        if self.streaming and (self.policy or probe).head_adaptive:
+            raise ValueError(f"streaming=True does not support the head-adaptive policy {self.policy_name!r}")
 
     # -- policy resolution ----------------------------------------------------------------------------------------
     def _resolve(self, prompt_length: int) -> None:

@@ -1,15 +1,37 @@
 """Eviction policies: one small dataclass each, registered by name."""
 
+from .a2sf import A2SF
+from .adakv import AdaH2O, AdaSnapKV, AdaWindowH2O, HeadAdaptive
 from .base import EntryView, Policy
 from .full import Full
 from .h2o import H2O, H2OMean
+from .keydiff import KeyDiff
 from .local import Local
 from .random import Random
 from .sink import Sink
 from .snapkv import SnapKV
 from .tova import TOVA
+from .window_h2o import WindowH2O
 
-POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (H2O, Local, Sink, Full, TOVA, SnapKV, Random, H2OMean)}
+POLICIES: dict[str, type[Policy]] = {
+    cls.name: cls
+    for cls in (
+        H2O,
+        Local,
+        Sink,
+        Full,
+        TOVA,
+        SnapKV,
+        Random,
+        H2OMean,
+        A2SF,
+        KeyDiff,
+        WindowH2O,
+        AdaH2O,
+        AdaSnapKV,
+        AdaWindowH2O,
+    )
+}
 
 
 def make_policy(name: str, heavy: int, recent: int, **options) -> Policy:
@@ -22,16 +44,23 @@ def make_policy(name: str, heavy: int, recent: int, **options) -> Policy:
 
 
 __all__ = [
+    "A2SF",
     "POLICIES",
+    "AdaH2O",
+    "AdaSnapKV",
+    "AdaWindowH2O",
     "EntryView",
     "Full",
     "H2O",
     "H2OMean",
+    "HeadAdaptive",
+    "KeyDiff",
     "Local",
     "Policy",
     "Random",
     "Sink",
     "SnapKV",
     "TOVA",
+    "WindowH2O",
     "make_policy",
 ]

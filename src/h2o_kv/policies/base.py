@@ -10,10 +10,11 @@ policy two things, through an :class:`EntryView`:
 * :meth:`Policy.keep_score` - one number per entry, higher is kept; ``+inf`` marks an entry that must survive
   (recent window, attention sinks).
 
-It then keeps the :attr:`Policy.capacity` best entries (after a prompt chunk) or frees the single worst one (after a
-decode step). Adding a method is one small dataclass overriding these two hooks (the shape of kvpress' ``score()``
-presses) and one line in the registry (``policies/__init__.py``). :meth:`Policy.decode_victim` is the composition of
-the two for a decode step over full slots; a policy may override it with a fused equivalent (H2O does, on the CPU).
+It then keeps the :attr:`Policy.capacity` best entries (after a prompt chunk; :meth:`Policy.select`, per KV head
+unless the policy is :attr:`~Policy.head_adaptive`) or frees the single worst one (after a decode step). Adding a
+method is one small dataclass overriding these two hooks (the shape of kvpress' ``score()`` presses) and one line
+in the registry (``policies/__init__.py``). :meth:`Policy.decode_victim` is the composition of the two for a decode
+step over full slots; a policy may override it with a fused equivalent (H2O does, on the CPU).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class Policy:
     needs_attention: ClassVar[bool] = True  # the backend must compute per-key probability mass
     needs_keys: ClassVar[bool] = False  # the EntryView must carry the keys
     evicts_during_decode: ClassVar[bool] = True  # False: compress the prompt once, then let the cache grow
+    head_adaptive: ClassVar[bool] = False  # True: select() shares the layer's budget across its KV heads
 
     @property
     def capacity(self) -> float:
@@ -77,6 +79,12 @@ class Policy:
 
     def keep_score(self, entries: EntryView) -> torch.Tensor:
         raise NotImplementedError
+
+    def select(self, rank: torch.Tensor, keep: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The entries a prompt chunk keeps, from ``rank`` ``[batch, heads, n]`` (``-inf``: invalid): ``(index,
+        counts)``, ``index [batch, heads, width]`` and ``counts [batch, heads]`` entries of each row of ``index``
+        being kept (``None``: all ``width == keep`` of them, the per-head rule)."""
+        return rank.topk(keep, dim=-1).indices, None
 
     def decode_victim(self, entries: EntryView, mass: torch.Tensor | None, last: torch.Tensor | None):
         """A decode step over full slots: ``(new scores, victim)``, the victim ``[batch, heads, 1]`` being the first

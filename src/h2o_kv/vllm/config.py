@@ -18,7 +18,10 @@ from ..budget import Budget
 
 ENV = "H2O_KV_VLLM"
 # the names registered in h2o_kv.policies.POLICIES (importing it imports torch; a test keeps the two equal)
-POLICY_NAMES = ("h2o", "local", "sink", "full", "tova", "snapkv", "random", "h2o_mean")
+POLICY_NAMES = (
+    "h2o", "local", "sink", "full", "tova", "snapkv", "random", "h2o_mean",
+    "a2sf", "keydiff", "window_h2o", "ada_h2o", "ada_snapkv", "ada_window_h2o",
+)  # fmt: skip
 REQUEST_KEYS = {"h2o_policy": "policy", "h2o_heavy": "heavy", "h2o_recent": "recent", "h2o_budget": "budget"}
 
 

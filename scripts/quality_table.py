@@ -1,0 +1,50 @@
+"""The RULER tables of docs/quality.md and the README leaderboard, from the result records of one folder.
+
+    python scripts/quality_table.py results/quality/ruler-eval [--baseline dynamic]
+
+Rows: one KV setting; columns: each task's mean score (items scored by string_match_all), the suite mean (mean over
+tasks) with its 95% interval, and the paired difference with the baseline over the same items (mean over tasks of
+the item-by-item differences, 95% interval). Reads only the JSON records; prints markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from h2o_kv.tables import average, markdown, mean, paired
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("folder", type=Path)
+    parser.add_argument("--baseline", default="dynamic")
+    args = parser.parse_args()
+    records = [json.loads(p.read_text()) for p in sorted(args.folder.glob("*.json"))]
+    records = [r for r in records if r.get("kind") == "ruler"]
+    if not records:
+        raise SystemExit(f"Error: no ruler records in {args.folder}")
+    tasks = records[0]["tasks"]
+    base = next((r for r in records if r["policy"] == args.baseline), None)
+    header = ["setting", *tasks, "mean [95% CI]", f"vs {args.baseline} (paired) [95% CI]", "items", "kept"]
+    rows = []
+    for r in sorted(records, key=lambda r: (r["bounded"], r["policy"])):
+        by_task = {t: [i for i in r["items"] if i["task"] == t] for t in tasks}
+        suite = average([mean([i["score"] for i in by_task[t]]) for t in tasks])
+        delta = ""
+        if base is not None and r is not base:
+            base_score = {(i["task"], i["length"], i["index"]): i["score"] for i in base["items"]}
+            key = lambda i: (i["task"], i["length"], i["index"])  # noqa: E731
+            diffs = [paired([i["score"] for i in by_task[t]], [base_score[key(i)] for i in by_task[t]]) for t in tasks]
+            delta = average(diffs).format(digits=2, sign=True, interval=True)
+        setting = r["policy"] if not r["bounded"] else f"{r['policy']} @ {100 * r['budget']:g}%"
+        rows.append([
+            setting, *(f"{mean([i['score'] for i in by_task[t]]).value:.2f}" for t in tasks),
+            suite.format(digits=2, interval=True), delta, str(len(r["items"])), f"{r['kv_kept_ratio']:.2f}",
+        ])  # fmt: skip
+    print("\n".join(markdown(header, rows)))
+
+
+if __name__ == "__main__":
+    main()
