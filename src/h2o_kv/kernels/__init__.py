@@ -82,8 +82,11 @@ def _build(source: pathlib.Path = _SOURCE):
             name=f"h2o_kv_{source.stem}_{digest}",
             sources=[str(source)],
             # quant_attend: OpenMP for at::parallel_for over rows; decode_step: the flags it was always built with
-            **({"extra_cflags": ["-O3", "-fopenmp"], "extra_ldflags": ["-fopenmp"]} if source == _QUANT_SOURCE
-               else {"extra_cflags": ["-O3"]}),  # fmt: skip
+            **(
+                {"extra_cflags": ["-O3", "-fopenmp"], "extra_ldflags": ["-fopenmp"]}
+                if source == _QUANT_SOURCE
+                else {"extra_cflags": ["-O3"]}
+            ),
             build_directory=str(build_dir),
         )
     except Exception as error:  # no compiler, no ninja, ...: correct but slower torch ops
