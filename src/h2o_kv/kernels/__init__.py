@@ -86,7 +86,7 @@ def _build(source: pathlib.Path = _SOURCE):
                 {"extra_cflags": ["-O3", "-fopenmp"], "extra_ldflags": ["-fopenmp"]}
                 if source == _QUANT_SOURCE
                 else {"extra_cflags": ["-O3"]}
-            ),  # fmt: skip
+            ),
             build_directory=str(build_dir),
         )
     except Exception as error:  # no compiler, no ninja, ...: correct but slower torch ops
