@@ -73,7 +73,7 @@ def test_generate_help_states_the_budget_rule_defaults_and_ranges():
     assert "ratio in (0, 1] of the prompt length" in text and "give --heavy/--recent for short prompts" in text
     assert re.search(r"--max-new-tokens <int range> \[x>=1\] Tokens to generate. \[default: 128\]", text), text
     assert re.search(r"--heavy <int range> \[x>=0\]", text) and "--max-prompt-tokens <int range> [x>=1]" in text
-    assert "<h2o|local|sink|full|tova|snapkv|random|h2o_mean>" in text and "[default: h2o]" in text
+    assert "--policy POLICY Eviction policy: " + ", ".join(POLICY_NAMES) + "; full" in text and "[default: h2o]" in text
     for default in ("SmolLM2-135M-Instruct", "float32 on CPU, bfloat16 on CUDA", "cuda when available, else cpu"):
         assert f"[default: ({default})]" in text
     assert 'h2o-kv generate "Explain the water cycle." --chat --heavy 32 --recent 32' in text

@@ -246,7 +246,7 @@ def test_setting_carries_kv_bits():
     setting = KVSetting.of("h2o", budget=0.2, kv_bits=4)
     assert setting.fields()["kv_bits"] == 4 and setting.label == "h2o-kv4"
     assert setting.make_cache().kv_bits == 4
-    assert KVSetting.of("h2o", budget=0.2).fields()["kv_bits"] is None
+    assert "kv_bits" not in KVSetting.of("h2o", budget=0.2).fields()  # full-precision records stay as they were
     with pytest.raises(ValueError, match="kv_bits must be one of 4, 8"):
         KVSetting.of("h2o", budget=0.2, kv_bits=5)
     with pytest.raises(ValueError, match="QuantizedCache \\(quanto\\), 4-bit only"):

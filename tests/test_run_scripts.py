@@ -43,5 +43,5 @@ def test_peer_tests_fail_where_the_peer_is_required():
 
 
 def test_ci_requires_the_peer_in_its_kvpress_job():
-    job = (ROOT / ".ci" / "run").read_text().split('job "2/3')[1].split('job "3/3')[0]
+    job = (ROOT / ".ci" / "run").read_text().split('job "2/4')[1].split('job "3/4')[0]
     assert "H2O_KV_REQUIRE_PEERS=1" in job and "tests/test_peers.py" in job

@@ -165,7 +165,7 @@ def test_custom_kind_plugs_in_by_name(tmp_path):
         assert result.exit_code == 2 and "no result JSONs" in result.output
     finally:
         KINDS.pop("toy")
-    assert set(KINDS) == {"ppl", "tasks", "xsum", "needle"}
+    assert set(KINDS) == {"ppl", "tasks", "xsum", "needle", "ruler"}
 
 
 def test_ppl_kind_rejects_unknown_options(tmp_path):

@@ -223,7 +223,11 @@ def generate(
     ),
     heavy: int = typer.Option(None, min=0, help="Heavy-hitter entries kept per layer and KV head (with --recent)."),
     recent: int = typer.Option(None, min=0, help="Most recent entries kept per layer and KV head (with --heavy)."),
-    policy: PolicyName = typer.Option("h2o", help="Eviction policy; full keeps every entry and takes no budget."),
+    policy: PolicyName = typer.Option(
+        "h2o",
+        metavar="POLICY",
+        help=f"Eviction policy: {', '.join(POLICY_NAMES)}; full keeps every entry and takes no budget.",
+    ),
     kv_bits: int = typer.Option(None, "--kv-bits", help=KV_BITS_HELP, show_default="full precision"),
     model: str = typer.Option(None, help=MODEL_HELP, show_default="SmolLM2-135M-Instruct"),
     chat: bool = typer.Option(False, "--chat", help="Apply the model's chat template to the prompt."),

@@ -133,17 +133,21 @@ class KVSetting:
         return H2OCache(heavy, recent, policy=self.name, stepwise=stepwise, **options)
 
     def fields(self) -> dict[str, Any]:
-        """The result-record fields of this setting (``budget`` 1.0 and no counts when nothing is evicted)."""
+        """The result-record fields of this setting (``budget`` 1.0 and no counts when nothing is evicted;
+        ``kv_bits`` only when quantized, so the records and item logs of full-precision runs are unchanged and
+        still resume)."""
         budget = self.budget
-        return {
+        fields = {
             "policy": self.name,
             "bounded": self.bounded,
             "budget": budget.ratio if budget is not None else 1.0,
             "heavy": None if budget is None else budget.heavy,
             "recent": None if budget is None else budget.recent,
             "peer": self.press is not None,
-            "kv_bits": self.kv_bits,
         }
+        if self.kv_bits is not None:
+            fields["kv_bits"] = self.kv_bits
+        return fields
 
     def describe(self) -> str:
         bits = "" if self.kv_bits is None else f" + {self.kv_bits}-bit KV"

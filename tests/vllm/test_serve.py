@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-HAS_VLLM = importlib.util.find_spec("vllm") is not None
+HAS_VLLM = getattr(importlib.util.find_spec("vllm"), "origin", None) is not None  # not tests/vllm as a namespace
 needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (pip install 'h2o-kv[vllm]')")
 PORT = int(os.environ.get("H2O_KV_TEST_SERVE_PORT", "8201"))  # a port in this project's test range
 API_KEY = "test-key-h2o"
