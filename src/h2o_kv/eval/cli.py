@@ -294,6 +294,7 @@ def ruler(
     device: str = DEVICE,
 ):
     """RULER-style synthetic suite (needles, variable tracking, common/frequent words), generated from a seed."""
+    from .needle import parse_ints
     from .ruler import RulerJob, run_ruler
     from .runner import ModelHandle, check_protocol
 
@@ -304,11 +305,12 @@ def ruler(
         check_protocol(setting, False)
         from ..models import model_context_length
 
-        RulerJob.create(setting, handle.tokenizer(), lengths=lengths, tasks=tasks, n=n, seed=seed, protocol=protocol)
-        return RulerJob.create(
-            setting, handle.tokenizer(), lengths=lengths, tasks=tasks, n=n, seed=seed, protocol=protocol,
-            max_length=model_context_length(handle.model()),
+        # every option is checked (and the haystack tokenized, once) before the model loads; then the context
+        job = RulerJob.create(
+            setting, handle.tokenizer(), lengths=lengths, tasks=tasks, n=n, seed=seed, protocol=protocol
         )  # fmt: skip
+        parse_ints(job.lengths, "lengths", 256, model_context_length(handle.model()) - 128)
+        return job
 
     job, loaded = _prepare(make, handle)
     bar, advance = _bar(len(job.lengths) * len(job.tasks) * job.n, f"ruler {job.setting.name}")

@@ -98,7 +98,8 @@ class Generator:
 
     def __init__(self, tokenizer, haystack: str, seed: int):
         self.tokenizer, self.seed = tokenizer, seed
-        self.haystack_ids = tokenizer.encode(haystack, add_special_tokens=False)
+        # the haystack is longer than the context on purpose (prompts are cut from it): no length warning
+        self.haystack_ids = tokenizer.encode(haystack, add_special_tokens=False, verbose=False)
         self.words = sorted({w for w in re.findall(r"\b[a-z]{4,10}\b", haystack)})
 
     def tokens(self, text: str) -> int:
