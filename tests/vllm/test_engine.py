@@ -63,8 +63,10 @@ def test_h2o_equals_the_transformers_backend(llm, tiny, plain):
         ({"h2o_budget": 0.3}, dict(budget=0.3)),
         ({"h2o_policy": "local", "h2o_heavy": 0, "h2o_recent": 24}, dict(policy="local", heavy=0, recent=24)),
         ({"h2o_policy": "tova"}, dict(policy="tova", heavy=16, recent=16)),
+        ({"h2o_policy": "keydiff"}, dict(policy="keydiff", heavy=16, recent=16)),  # ranks by keys (read in Python)
+        ({"h2o_policy": "snapkv"}, dict(policy="snapkv", heavy=16, recent=16)),  # compresses the prompt, then grows
     ],
-    ids=["counts", "ratio", "local", "tova"],
+    ids=["counts", "ratio", "local", "tova", "keydiff", "snapkv"],
 )
 def test_per_request_settings_equal_the_transformers_backend(llm, tiny, xargs, options):
     prompts = PROMPTS[2:6]

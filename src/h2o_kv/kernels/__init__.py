@@ -10,6 +10,8 @@ cannot be used, and the callers then run the equivalent torch ops (the tests che
 
 :func:`quant_ops` (``quant_attend.cpp``, the same build and switch) is the decode attention over quantized slots
 (``H2OCache(kv_bits=...)``): it reads the 4/8-bit codes in place instead of dequantizing blocks of them first.
+:func:`paged_ops` (``paged_decode.cpp``) is the vLLM backend's decode step of bounded requests: write, attention,
+mass and H2O's eviction in one pass over each request's paged slots (:mod:`h2o_kv.vllm.attention`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import contextlib
 import hashlib
 import os
 import pathlib
+import platform
 import shutil
 import sys
 import threading
@@ -27,6 +30,13 @@ import torch
 
 _SOURCE = pathlib.Path(__file__).with_name("decode_step.cpp")
 _QUANT_SOURCE = pathlib.Path(__file__).with_name("quant_attend.cpp")
+_PAGED_SOURCE = pathlib.Path(__file__).with_name("paged_decode.cpp")
+_OPENMP = {"extra_cflags": ["-O3", "-fopenmp"], "extra_ldflags": ["-fopenmp"]}  # at::parallel_for over rows
+_FLAGS = {  # decode_step: the flags it was always built with; paged_decode: SIMD loops (vectorized exp)
+    _SOURCE: {"extra_cflags": ["-O3"]},
+    _QUANT_SOURCE: _OPENMP,
+    _PAGED_SOURCE: {**_OPENMP, "extra_cflags": ["-O3", "-fopenmp", "-march=native", "-fno-math-errno"]},
+}
 _loaded: dict[str, object] = {}
 _build_lock = threading.Lock()
 
@@ -63,6 +73,15 @@ def quant_ops(*tensors: torch.Tensor):
     return _loaded["quant"]
 
 
+def paged_ops():
+    """The compiled decode step of the vLLM backend (``paged_decode.cpp``), or ``None`` (no compiler, or off)."""
+    if "paged" not in _loaded:
+        with _build_lock:
+            if "paged" not in _loaded:
+                _loaded["paged"] = _build(_PAGED_SOURCE) if enabled() else None
+    return _loaded["paged"]
+
+
 def _build(source: pathlib.Path = _SOURCE):
     from torch.utils.cpp_extension import load
 
@@ -71,7 +90,10 @@ def _build(source: pathlib.Path = _SOURCE):
             import ninja
 
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-    digest = hashlib.sha256(source.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
+    flags = _FLAGS[source]
+    native = platform.processor() + _cpu_model() if "-march=native" in flags["extra_cflags"] else ""  # CPU-specific
+    key = source.read_bytes() + torch.__version__.encode() + repr(flags).encode() + native.encode()
+    digest = hashlib.sha256(key).hexdigest()[:12]
     root = pathlib.Path(os.environ.get("H2O_KV_CACHE_DIR") or "~/.cache/h2o-kv").expanduser()
     build_dir = root / "kernels" / f"{source.stem}-{digest}"
     try:
@@ -81,12 +103,7 @@ def _build(source: pathlib.Path = _SOURCE):
         return load(
             name=f"h2o_kv_{source.stem}_{digest}",
             sources=[str(source)],
-            # quant_attend: OpenMP for at::parallel_for over rows; decode_step: the flags it was always built with
-            **(
-                {"extra_cflags": ["-O3", "-fopenmp"], "extra_ldflags": ["-fopenmp"]}
-                if source == _QUANT_SOURCE
-                else {"extra_cflags": ["-O3"]}
-            ),
+            **flags,
             build_directory=str(build_dir),
         )
     except Exception as error:  # no compiler, no ninja, ...: correct but slower torch ops
@@ -97,3 +114,12 @@ def _build(source: pathlib.Path = _SOURCE):
             stacklevel=2,
         )
         return None
+
+
+def _cpu_model() -> str:
+    """The CPU's model name (Linux), so a ``-march=native`` build is never loaded on another kind of CPU."""
+    with contextlib.suppress(OSError):
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.machine()

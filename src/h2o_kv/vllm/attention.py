@@ -15,9 +15,14 @@ kernel sees (``seq_lens``) is the slot count; positions keep counting.
   ``capacity`` entries are kept - the transformers backend's :meth:`~h2o_kv.hf.cache.H2OLayer.append` and
   :meth:`~h2o_kv.hf.cache.H2OLayer.evict`, slot for slot.
 
-Rows of such requests are attended by :func:`h2o_kv.hf.scoring.attention_with_mass` (the transformers backend's
-attention, which also returns the mass); other rows keep vLLM's kernel. The policies are :mod:`h2o_kv.policies`'
-objects (one implementation, two backends). Only the fp32 cache layout (the ``vec`` ISA) is supported.
+A decode step of every bounded row of a layer is one call of the fused kernel ``paged_decode``
+(:func:`h2o_kv.kernels.paged_ops`): write, attention over the row's paged slots, mass and, for H2O, the score update
+and the victim, in one pass (vLLM's kernel is handed a length of one slot for these rows and its output replaced).
+Other policies get the mass from the kernel and rank in Python; without a compiler the same step runs as torch ops
+(:func:`decode_torch`, the kernel's reference in the tests). Prompt chunks of bounded rows are attended by
+:func:`h2o_kv.hf.scoring.attention_with_mass` (the transformers backend's attention, which also returns the mass);
+other rows keep vLLM's kernel. The policies are :mod:`h2o_kv.policies`' objects (one implementation, two backends).
+Only the fp32 cache layout (the ``vec`` ISA) is supported.
 """
 
 from __future__ import annotations
@@ -32,14 +37,16 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
+from .. import kernels
 from ..hf.scoring import attention_with_mass
-from ..policies import EntryView, Policy
+from ..policies import H2O, EntryView, Policy
 from . import patches
 
 
 @dataclass
 class LayerEntries:
-    """One layer's slots of one request: ``pos``/``scores``/``valid`` ``[kv_heads, slots]``."""
+    """One layer's slots of one request: ``pos``/``scores``/``valid`` ``[kv_heads, width]``, allocated once at the
+    request's largest slot count (slots past the ones in use are invalid)."""
 
     pos: torch.Tensor
     scores: torch.Tensor
@@ -53,8 +60,14 @@ class RequestEntries:
 
     policy: Policy
     prompt: int
+    new_tokens: int  # the request's max_tokens
     slots: int = 0  # physical slots in use after the last step (the same in every layer and head)
     layers: dict[str, LayerEntries] = field(default_factory=dict)
+
+    @property
+    def fused(self) -> bool:
+        """Whether the decode kernel ranks this request's entries itself (exactly H2O's ranking)."""
+        return type(self.policy).accumulate is H2O.accumulate and type(self.policy).keep_score is H2O.keep_score
 
 
 @dataclass(frozen=True)
@@ -71,7 +84,16 @@ class Row:
     last_chunk: bool  # the chunk that completes the prompt: compress after it
 
 
-_REQUESTS: dict[str, RequestEntries] = {}
+@dataclass(frozen=True)
+class DecodeBatch:
+    """The bounded decode rows of a step, as the kernel takes them (shared by every layer)."""
+
+    rows: tuple[Row, ...]
+    block_table: torch.Tensor  # int32 [rows, blocks]
+    meta: torch.Tensor  # int64 [rows, 5]: token, slots, column, evicts, first protected column (H2O's recent window)
+
+
+_REQUESTS: dict[str, RequestEntries | None] = {}  # None: a request the plugin leaves to vLLM
 
 
 def forget(request_ids) -> None:
@@ -81,21 +103,21 @@ def forget(request_ids) -> None:
 
 
 def _entries_for(request_id: str, request_state) -> RequestEntries | None:
-    entries = _REQUESTS.get(request_id)
-    if entries is None:
+    if request_id not in _REQUESTS:
         params = request_state.sampling_params
         config = patches.request_config(params.extra_args if params is not None else None)
         policy = config.make_policy(request_state.num_prompt_tokens) if config is not None else None
-        longest = request_state.num_prompt_tokens + ((params.max_tokens or 0) if params is not None else 0)
-        if policy is None or policy.capacity >= longest:  # nothing to evict: vLLM's kernel as it is
-            return None
-        entries = _REQUESTS[request_id] = RequestEntries(policy, request_state.num_prompt_tokens)
-    return entries
+        new_tokens = (params.max_tokens or 0) if params is not None else 0
+        bounded = policy is not None and policy.capacity < request_state.num_prompt_tokens + new_tokens
+        # else nothing to evict: vLLM's kernel as it is
+        _REQUESTS[request_id] = RequestEntries(policy, request_state.num_prompt_tokens, new_tokens) if bounded else None
+    return _REQUESTS[request_id]
 
 
 @dataclass
 class H2OAttentionMetadata(CPUAttentionMetadata):
-    h2o_rows: tuple[Row, ...] = ()
+    h2o_rows: tuple[Row, ...] = ()  # prompt chunks of bounded requests
+    h2o_decode: DecodeBatch | None = None
 
 
 class H2OAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
@@ -106,14 +128,17 @@ class H2OAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         rows = self._plan(runner, common_attn_metadata) if runner is not None else []
         if rows:
             seq_lens = common_attn_metadata.seq_lens.clone()
-            for index, row in rows:
-                seq_lens[index] = row.slots
+            for index, row in rows:  # vLLM's kernel attends one slot of a decode row (its output is replaced)
+                seq_lens[index] = row.slots if row.prompt else 1
             common_attn_metadata = replace(common_attn_metadata, seq_lens=seq_lens)
         metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
         if not rows:
             return metadata
         fields = {name: getattr(metadata, name) for name in CPUAttentionMetadata.__dataclass_fields__}
-        return H2OAttentionMetadata(**fields, h2o_rows=tuple(row for _, row in rows))
+        decode = tuple(row for _, row in rows if not row.prompt)
+        return H2OAttentionMetadata(
+            **fields, h2o_rows=tuple(row for _, row in rows if row.prompt), h2o_decode=_decode_batch(decode)
+        )
 
     def _plan(self, runner, common) -> list[tuple[int, Row]]:
         if self.isa != "vec":
@@ -152,48 +177,72 @@ class H2OAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         return rows
 
 
+def _decode_batch(rows: tuple[Row, ...]) -> DecodeBatch | None:
+    if not rows:
+        return None
+    table = torch.zeros((len(rows), max(len(row.blocks) for row in rows)), dtype=torch.int32)
+    meta = torch.empty((len(rows), 5), dtype=torch.long)
+    for i, row in enumerate(rows):
+        policy = row.entries.policy
+        table[i, : len(row.blocks)] = row.blocks
+        evicts = policy.evicts_during_decode and row.slots > policy.capacity
+        meta[i] = torch.tensor([row.start, row.slots, row.column, evicts, row.column + 1 - policy.recent])
+    return DecodeBatch(rows, table, meta)
+
+
 class H2OAttentionImpl(CPUAttentionBackendImpl):
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
         output = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
-        rows = getattr(attn_metadata, "h2o_rows", ())
-        if rows:
+        rows, decode = getattr(attn_metadata, "h2o_rows", ()), getattr(attn_metadata, "h2o_decode", None)
+        if rows or decode is not None:
             cache = PagedCache(kv_cache)
             for row in rows:
-                self._attend(layer.layer_name, row, query, key, value, cache, output)
+                self._prefill(layer.layer_name, row, query, cache, output)
+            if decode is not None:
+                self._decode(layer.layer_name, decode, query, key, value, kv_cache, cache, output)
         return output
 
-    def _attend(self, name, row, query, key, value, cache, output) -> None:
+    def _prefill(self, name, row, query, cache, output) -> None:
+        """A prompt chunk: attend with mass, accumulate it; after the last chunk keep the policy's best entries."""
         policy, entries = row.entries.policy, row.entries
         span = slice(row.start, row.start + row.queries)
-        kv_heads = self.num_kv_heads
-        if row.prompt:
-            layer = entries.layers.get(name)
-            pos = torch.arange(row.slots).expand(kv_heads, -1)
-        else:
-            layer = entries.layers[name]
-            if row.slots > layer.valid.shape[1]:  # grow by one slot, as a plain cache does
-                layer.pos = torch.cat([layer.pos, layer.pos.new_full((kv_heads, 1), -1)], 1)
-                layer.scores = torch.cat([layer.scores, layer.scores.new_zeros((kv_heads, 1))], 1)
-                layer.valid = torch.cat([layer.valid, layer.valid.new_zeros((kv_heads, 1))], 1)
-            free = layer.valid.byte().argmin(-1)  # [kv_heads]: each head's first free slot
-            cache.write(row.blocks, free, key[row.start], value[row.start])
-            heads = torch.arange(kv_heads)
-            layer.pos[heads, free] = row.column
-            layer.scores[heads, free] = 0.0
-            layer.valid[heads, free] = True
-            pos = layer.pos
+        layer = entries.layers.get(name)
+        pos = torch.arange(row.slots).expand(self.num_kv_heads, -1)
         keys, values = cache.read(row.blocks, row.slots)  # [kv_heads, slots, head_dim]
         rows_query = query[span].transpose(0, 1).unsqueeze(0)  # [1, q_heads, queries, head_dim]
         out, mass, last = attention_with_mass(
             rows_query, keys[None], values[None], pos[None], None, row.column, self.scale,
-            need_mass=policy.needs_attention, window=policy.observation_window,
-            chunk_start=row.slots - row.queries if row.prompt else None,
+            need_mass=policy.needs_attention, window=policy.observation_window, chunk_start=row.slots - row.queries,
         )  # fmt: skip
         output[span] = out[0].reshape(output[span].shape)
-        if row.prompt:
-            self._prompt(name, row, layer, mass, last, keys, values, cache)
-        else:
-            self._evict(row, layer, mass, last, keys)
+        self._prompt(name, row, layer, mass, last, keys, values, cache)
+
+    def _decode(self, name, batch: DecodeBatch, query, key, value, kv_cache, cache, output) -> None:
+        """One decode step of every bounded row: write, attend, score, evict (see the module docstring)."""
+        layers = [row.entries.layers[name] for row in batch.rows]
+        ops = kernels.paged_ops() if query.dtype == torch.float32 else None
+        if ops is None:
+            for row, layer in zip(batch.rows, layers, strict=True):
+                decode_torch(row, layer, query, key, value, cache, output, self.scale)
+            return
+        out = output.view(output.shape[0], self.num_heads, -1)
+        fused = [i for i, row in enumerate(batch.rows) if row.entries.fused]
+        ranked = [i for i, row in enumerate(batch.rows) if not row.entries.fused]
+        for part, fuse in ((fused, True), (ranked, False)):
+            if not part:
+                continue
+            whole = len(part) == len(batch.rows)
+            table = batch.block_table if whole else batch.block_table[part]
+            meta = batch.meta if whole else batch.meta[part]
+            mass = None if fuse else torch.empty((len(part), self.num_kv_heads, int(meta[:, 1].max())))
+            ops.paged_decode(
+                query, key, value, kv_cache, out, table, meta, [layers[i].pos for i in part],
+                [layers[i].scores for i in part], [layers[i].valid for i in part], mass, self.scale,
+            )  # fmt: skip
+            if not fuse:
+                for j, i in enumerate(part):
+                    row = batch.rows[i]
+                    rank(row, layers[i], mass[j : j + 1, :, : row.slots], cache)
 
     def _prompt(self, name, row, layer, mass, last, keys, values, cache) -> None:
         """Accumulate a prompt chunk's mass; after the last chunk keep the policy's best ``capacity`` entries."""
@@ -221,27 +270,51 @@ class H2OAttentionImpl(CPUAttentionBackendImpl):
             cache.write_slots(row.blocks, keys.gather(1, gather), values.gather(1, gather))
         else:
             index = pos[0]
-        slots = keep + 1 if keep == policy.capacity and policy.evicts_during_decode else keep
-        layer.pos = torch.full((kv_heads, slots), -1, dtype=torch.long)
-        layer.scores = torch.zeros((kv_heads, slots))
-        layer.valid = torch.zeros((kv_heads, slots), dtype=torch.bool)
+        # the most slots the request will use: capacity + 1 while it evicts, else everything it generates
+        width = keep + entries.new_tokens
+        if policy.evicts_during_decode:
+            width = min(width, int(policy.capacity) + 1)
+        layer.pos = torch.full((kv_heads, width), -1, dtype=torch.long)
+        layer.scores = torch.zeros((kv_heads, width))
+        layer.valid = torch.zeros((kv_heads, width), dtype=torch.bool)
         layer.pos[:, :keep] = index
         layer.scores[:, :keep] = scores[0].gather(1, index)
         layer.valid[:, :keep] = True
         layer.prompt_mass = None
 
-    def _evict(self, row, layer, mass, last, keys) -> None:
-        """Fold a decode step's mass into the scores; free the lowest-ranked slot where over ``capacity``."""
-        policy = row.entries.policy
-        scores = layer.scores[None]
-        view = EntryView(layer.pos[None], layer.valid[None], scores, row.column + 1, torch.zeros(1, dtype=torch.long),
-                         keys[None] if policy.needs_keys else None)  # fmt: skip
-        if not policy.evicts_during_decode or row.slots <= policy.capacity:
-            layer.scores = policy.accumulate(scores, mass, last)[0]
-            return
-        scores, victim = Policy.decode_victim(policy, view, mass, last)  # the composition the fused H2O path equals
-        layer.scores = scores[0]
-        layer.valid.scatter_(1, victim[0], False)
+
+def rank(row: Row, layer: LayerEntries, mass: torch.Tensor, cache: PagedCache) -> None:
+    """Fold a decode step's ``mass`` ``[1, kv_heads, slots]`` into the policy's scores; free the lowest-ranked slot
+    where over ``capacity`` (the transformers backend's :meth:`~h2o_kv.hf.cache.H2OLayer.evict`)."""
+    policy, n = row.entries.policy, row.slots
+    keys = cache.read(row.blocks, n)[0][None] if policy.needs_keys else None
+    scores = layer.scores[None, :, :n]
+    view = EntryView(layer.pos[None, :, :n], layer.valid[None, :, :n], scores, row.column + 1,
+                     torch.zeros(1, dtype=torch.long), keys)  # fmt: skip
+    if not policy.evicts_during_decode or n <= policy.capacity:
+        layer.scores[:, :n] = policy.accumulate(scores, mass, mass)[0]  # one query: `last` is the step's mass
+        return
+    scores, victim = Policy.decode_victim(policy, view, mass, mass)  # the composition the fused H2O path equals
+    layer.scores[:, :n] = scores[0]
+    layer.valid[:, :n].scatter_(1, victim[0], False)
+
+
+def decode_torch(row: Row, layer: LayerEntries, query, key, value, cache: PagedCache, output, scale: float) -> None:
+    """A bounded row's decode step as torch ops: what the kernel ``paged_decode`` does (its reference and fallback)."""
+    n, heads = row.slots, torch.arange(layer.pos.shape[0])
+    free = layer.valid[:, :n].byte().argmin(-1)  # [kv_heads]: each head's first free slot
+    cache.write(row.blocks, free, key[row.start], value[row.start])
+    layer.pos[heads, free] = row.column
+    layer.scores[heads, free] = 0.0
+    layer.valid[heads, free] = True
+    keys, values = cache.read(row.blocks, n)  # [kv_heads, slots, head_dim]
+    step = slice(row.start, row.start + 1)
+    out, mass, _ = attention_with_mass(
+        query[step].transpose(0, 1).unsqueeze(0), keys[None], values[None], layer.pos[None, :, :n],
+        layer.valid[None, :, :n], row.column, scale,
+    )  # fmt: skip
+    output[step] = out[0].reshape(output[step].shape)
+    rank(row, layer, mass, cache)
 
 
 class PagedCache:
