@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import os
+import time
 
 import pytest
 import torch
@@ -113,3 +115,16 @@ def test_build_failure_warns_and_falls_back(monkeypatch):
     monkeypatch.setattr(kernels, "_loaded", {})
     monkeypatch.setenv("H2O_KV_FUSED", "0")
     assert kernels.cpu_ops(torch.zeros(1)) is None and kernels._loaded == {"ops": None}
+
+
+def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, capsys):
+    """A process killed mid-build leaves torch's lock file; a later build would wait for it forever."""
+    lock = tmp_path / "lock"
+    lock.touch()
+    kernels._clear_stale_lock(lock)
+    assert lock.exists()  # a build may be running
+    old = time.time() - kernels.STALE_LOCK_S - 1
+    os.utime(lock, (old, old))
+    kernels._clear_stale_lock(lock)
+    assert not lock.exists() and "stale kernel build lock" in capsys.readouterr().err
+    kernels._clear_stale_lock(lock)  # none: nothing to do

@@ -97,6 +97,27 @@ def test_fused_kernel_equals_block_path(bits, monkeypatch):
 
 
 @pytest.mark.parametrize("bits", [4, 8])
+def test_fused_write_stores_the_codes_of_quantize(bits, monkeypatch):
+    """``quant_write`` (one pass per new token) stores exactly what :func:`quantize` and the scatter store."""
+    _, _, stored, pos, _, _ = _stored_slots(bits)
+    gen = torch.Generator().manual_seed(3)
+    new = torch.randn(2, 2, 1, 16, generator=gen) * 4
+    new[1, 0, 0, :8] = 0.5  # a constant group: scale 0
+    free = torch.randint(0, pos.shape[-1], (2, 2, 1), generator=gen)
+    assert kernels.quant_ops(new) is not None, "the fused kernels did not build"
+    fused = stored[0].resized(pos.shape[-1])  # a copy
+    fused.ring = stored[0].ring.clone()
+    fused.write(free, new, column=41)
+    monkeypatch.setattr(kernels, "quant_ops", lambda *tensors: None)
+    plain = stored[0].resized(pos.shape[-1])
+    plain.ring = stored[0].ring.clone()
+    plain.write(free, new, column=41)
+    for a, b in zip((*fused.parts, fused.ring), (*plain.parts, plain.ring), strict=True):
+        assert torch.equal(a, b)
+    assert not torch.equal(fused.data, stored[0].data)  # something was written
+
+
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("policy", ["h2o", "sink", "tova"])
 def test_generate_matches_quantizing_reference(tiny, bits, policy):
     model = tiny["llama"]

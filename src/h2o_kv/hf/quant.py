@@ -167,7 +167,16 @@ class QuantizedSlots:
             mine[:, :, :count] = theirs
 
     def write(self, free: torch.Tensor, new: torch.Tensor, column: int) -> None:
-        """One token per (sequence, head) ``[B, H, 1, D]`` into slot ``free [B, H, 1]``, quantized, and the ring."""
+        """One token per (sequence, head) ``[B, H, 1, D]`` into slot ``free [B, H, 1]``, quantized, and the ring
+        (one fused pass on a CPU in fp32: ``quant_write``, the same codes as :func:`quantize`)."""
+        from .. import kernels
+
+        if new.dtype == torch.float32 and self.scale.dtype == torch.float32:
+            new, free = new.contiguous(), free.contiguous()
+            ops = kernels.quant_ops(new, free, *self.parts, self.ring)
+            if ops is not None:
+                ops.quant_write(*self.parts, self.ring, free, new, column, self.bits)
+                return
         for mine, part in zip(self.parts, quantize(new, self.bits, self.group), strict=True):
             mine.scatter_(2, free.unsqueeze(-1).expand(-1, -1, -1, mine.shape[-1]), part)
         self.ring[:, :, column % self.ring.shape[2]] = new[:, :, 0]

@@ -24,6 +24,7 @@ import platform
 import shutil
 import sys
 import threading
+import time
 import warnings
 
 import torch
@@ -31,12 +32,9 @@ import torch
 _SOURCE = pathlib.Path(__file__).with_name("decode_step.cpp")
 _QUANT_SOURCE = pathlib.Path(__file__).with_name("quant_attend.cpp")
 _PAGED_SOURCE = pathlib.Path(__file__).with_name("paged_decode.cpp")
-_OPENMP = {"extra_cflags": ["-O3", "-fopenmp"], "extra_ldflags": ["-fopenmp"]}  # at::parallel_for over rows
-_FLAGS = {  # decode_step: the flags it was always built with; paged_decode: SIMD loops (vectorized exp)
-    _SOURCE: {"extra_cflags": ["-O3"]},
-    _QUANT_SOURCE: _OPENMP,
-    _PAGED_SOURCE: {**_OPENMP, "extra_cflags": ["-O3", "-fopenmp", "-march=native", "-fno-math-errno"]},
-}
+# OpenMP for at::parallel_for over rows and `omp simd` loops, built for this CPU's vector units
+_SIMD = {"extra_cflags": ["-O3", "-fopenmp", "-march=native", "-fno-math-errno"], "extra_ldflags": ["-fopenmp"]}
+_FLAGS = {_SOURCE: {"extra_cflags": ["-O3"]}, _QUANT_SOURCE: _SIMD, _PAGED_SOURCE: _SIMD}
 _loaded: dict[str, object] = {}
 _build_lock = threading.Lock()
 
@@ -98,6 +96,7 @@ def _build(source: pathlib.Path = _SOURCE):
     build_dir = root / "kernels" / f"{source.stem}-{digest}"
     try:
         build_dir.mkdir(parents=True, exist_ok=True)
+        _clear_stale_lock(build_dir / "lock")
         if not any(build_dir.glob("*.so")):
             print("h2o-kv: compiling the fused CPU decode kernels (once, about 30 s)...", file=sys.stderr, flush=True)
         return load(
@@ -123,3 +122,14 @@ def _cpu_model() -> str:
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     return platform.machine()
+
+
+STALE_LOCK_S = 600  # a build takes well under a minute; an older lock was left by a process killed while building
+
+
+def _clear_stale_lock(lock: pathlib.Path) -> None:
+    """Remove the build lock of a process killed mid-build (torch would otherwise wait for it forever)."""
+    with contextlib.suppress(OSError):
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            lock.unlink()
+            print(f"h2o-kv: removed a stale kernel build lock ({lock})", file=sys.stderr, flush=True)

@@ -191,6 +191,10 @@ def _decode_batch(rows: tuple[Row, ...]) -> DecodeBatch | None:
 
 
 class H2OAttentionImpl(CPUAttentionBackendImpl):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        kernels.paged_ops()  # built (once per machine, ~40 s) or loaded while the model loads, not in a request
+
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
         output = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
         rows, decode = getattr(attn_metadata, "h2o_rows", ()), getattr(attn_metadata, "h2o_decode", None)
