@@ -90,7 +90,8 @@ def _build(source: pathlib.Path = _SOURCE):
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
     flags = _FLAGS[source]
     native = platform.processor() + _cpu_model() if "-march=native" in flags["extra_cflags"] else ""  # CPU-specific
-    key = source.read_bytes() + torch.__version__.encode() + repr(flags).encode() + native.encode()
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))  # simd.h
+    key = source.read_bytes() + headers + torch.__version__.encode() + repr(flags).encode() + native.encode()
     digest = hashlib.sha256(key).hexdigest()[:12]
     root = pathlib.Path(os.environ.get("H2O_KV_CACHE_DIR") or "~/.cache/h2o-kv").expanduser()
     build_dir = root / "kernels" / f"{source.stem}-{digest}"

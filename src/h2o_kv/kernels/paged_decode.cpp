@@ -10,6 +10,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "simd.h"
+
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -127,18 +129,9 @@ void paged_decode(torch::Tensor query, torch::Tensor key, torch::Tensor value, t
       // softmax per query head; a slot is visible when valid and not in the row's future
       for (int64_t g = 0; g < group; ++g) {
         float* l = logits.data() + g * slots;
-        float top = -inf;
-        for (int64_t t = 0; t < slots; ++t) {
+        for (int64_t t = 0; t < slots; ++t)
           if (!ok[t] || p[t] > row.column) l[t] = -inf;
-          top = std::max(top, l[t]);
-        }
-#pragma omp simd
-        for (int64_t t = 0; t < slots; ++t) l[t] = std::exp(l[t] - top);
-        float total = 0.f;
-        for (int64_t t = 0; t < slots; ++t) total += l[t];
-        const float inv = 1.f / total;
-#pragma omp simd
-        for (int64_t t = 0; t < slots; ++t) l[t] *= inv;
+        h2o_simd::softmax(l, slots);
       }
       // output = probs @ values (values token-major: the inner loop over head_dim is contiguous)
       for (int64_t g = 0; g < group; ++g) {

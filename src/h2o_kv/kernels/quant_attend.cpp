@@ -13,6 +13,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "simd.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -41,18 +43,7 @@ inline void unpack_split(const uint8_t* __restrict codes, float* __restrict out,
   }
 }
 
-// a . b: 16 lanes of partial sums (one SIMD register of FMAs per 16 numbers), then the lanes added
-inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
-  float lanes[16] = {};
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-#pragma omp simd
-    for (int k = 0; k < 16; ++k) lanes[k] += a[i + k] * b[i + k];
-  float total = 0.f;
-  for (; i < n; ++i) total += a[i] * b[i];
-  for (int k = 0; k < 16; ++k) total += lanes[k];
-  return total;
-}
+using h2o_simd::dot;
 
 }  // namespace
 
@@ -136,18 +127,9 @@ std::vector<torch::Tensor> quant_attend_bits(torch::Tensor query, torch::Tensor 
       float* m = mass_all + row * S;
       for (int64_t g = 0; g < G; ++g) {
         float* l = logits.data() + g * S;
-        float top = -inf;
-        for (int64_t s = 0; s < S; ++s) top = std::max(top, l[s]);
+        h2o_simd::softmax(l, S);
 #pragma omp simd
-        for (int64_t s = 0; s < S; ++s) l[s] = std::exp(l[s] - top);
-        float total = 0.f;
-        for (int64_t s = 0; s < S; ++s) total += l[s];
-        const float inv = 1.f / total;
-#pragma omp simd
-        for (int64_t s = 0; s < S; ++s) {
-          l[s] *= inv;
-          m[s] += l[s];
-        }
+        for (int64_t s = 0; s < S; ++s) m[s] += l[s];
       }
       // output: sum_s p * (scale * codes + zero), the codes term in the split order, the zero term per group
       std::fill(acc.begin(), acc.end(), 0.f);
