@@ -114,7 +114,7 @@ def test_build_failure_warns_and_falls_back(monkeypatch):
     assert kernels.cpu_ops(torch.zeros(1)) is None  # warned once, remembered
     monkeypatch.setattr(kernels, "_loaded", {})
     monkeypatch.setenv("H2O_KV_FUSED", "0")
-    assert kernels.cpu_ops(torch.zeros(1)) is None and kernels._loaded == {"ops": None}
+    assert kernels.cpu_ops(torch.zeros(1)) is None and kernels._loaded == {kernels._SOURCE: None}
 
 
 def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, capsys):

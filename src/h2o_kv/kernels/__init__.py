@@ -35,7 +35,7 @@ _PAGED_SOURCE = pathlib.Path(__file__).with_name("paged_decode.cpp")
 # OpenMP for at::parallel_for over rows and `omp simd` loops, built for this CPU's vector units
 _SIMD = {"extra_cflags": ["-O3", "-fopenmp", "-march=native", "-fno-math-errno"], "extra_ldflags": ["-fopenmp"]}
 _FLAGS = {_SOURCE: {"extra_cflags": ["-O3"]}, _QUANT_SOURCE: _SIMD, _PAGED_SOURCE: _SIMD}
-_loaded: dict[str, object] = {}
+_loaded: dict[pathlib.Path, object] = {}
 _build_lock = threading.Lock()
 
 
@@ -51,33 +51,28 @@ def available() -> bool:
 
 def cpu_ops(*tensors: torch.Tensor):
     """The compiled kernels when they apply to ``tensors`` (all on the CPU and contiguous), else ``None``."""
-    if not all(t.device.type == "cpu" and t.is_contiguous() for t in tensors):
-        return None
-    if "ops" not in _loaded:
-        with _build_lock:
-            if "ops" not in _loaded:
-                _loaded["ops"] = _build() if enabled() else None
-    return _loaded["ops"]
+    return _ops(_SOURCE, tensors)
 
 
 def quant_ops(*tensors: torch.Tensor):
     """The compiled quantized decode attention when it applies to ``tensors`` (CPU, contiguous), else ``None``."""
-    if not all(t.device.type == "cpu" and t.is_contiguous() for t in tensors):
-        return None
-    if "quant" not in _loaded:
-        with _build_lock:
-            if "quant" not in _loaded:
-                _loaded["quant"] = _build(_QUANT_SOURCE) if enabled() else None
-    return _loaded["quant"]
+    return _ops(_QUANT_SOURCE, tensors)
 
 
 def paged_ops():
     """The compiled decode step of the vLLM backend (``paged_decode.cpp``), or ``None`` (no compiler, or off)."""
-    if "paged" not in _loaded:
+    return _ops(_PAGED_SOURCE, ())
+
+
+def _ops(source: pathlib.Path, tensors):
+    """``source``'s module, built or loaded once per process (``None``: off, unbuildable, or not for ``tensors``)."""
+    if not all(t.device.type == "cpu" and t.is_contiguous() for t in tensors):
+        return None
+    if source not in _loaded:
         with _build_lock:
-            if "paged" not in _loaded:
-                _loaded["paged"] = _build(_PAGED_SOURCE) if enabled() else None
-    return _loaded["paged"]
+            if source not in _loaded:
+                _loaded[source] = _build(source) if enabled() else None
+    return _loaded[source]
 
 
 def _build(source: pathlib.Path = _SOURCE):
