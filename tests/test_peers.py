@@ -10,7 +10,15 @@ import pytest
 import torch
 
 from h2o_kv.eval.runner import KVRunner, score_continuations
-from h2o_kv.peers import PRESSES, compression_ratio, kvpress_available, press_extend, press_prefill, require_kvpress
+from h2o_kv.peers import (
+    PRESSES,
+    compression_ratio,
+    kvpress_available,
+    press_expand,
+    press_extend,
+    press_prefill,
+    require_kvpress,
+)
 from h2o_kv.setting import KVSetting
 
 # kvpress is imported through require_kvpress only: it undoes kvpress' global patch of every attention function.
@@ -73,10 +81,40 @@ def test_press_at_80_percent_shrinks_the_cache(default_model, prompt, name):
     expected = press(name, budget=0.2).entries(len(prompt))
     state = press_prefill(model, torch.tensor([prompt]), name, expected)
     assert state.kept == expected < len(prompt) // 4
-    assert all(layer.keys.shape[2] == expected for layer in state.cache.layers)
+    heads, spec = model.config.num_key_value_heads, PRESSES[name]
+    dropped = heads * (len(prompt) - expected)  # masked entries per layer
+    masked = [len(b.self_attn.masked_key_indices[0]) for b in model.model.layers] if spec.head_wise else []
+    if spec.across_layers:  # KVzip: one budget for the whole model, kvpress' int() rounding within half an entry
+        assert 0 <= len(masked) * dropped - sum(masked) <= len(masked) * heads / 2 and len(set(masked)) > 1
+    elif spec.head_wise:  # entries stay, masked per head; each layer masks exactly its share
+        assert masked == [dropped] * len(masked)
+    for layer in state.cache.layers:  # PyramidKV's layer budgets fall back to SnapKV's below 6,400 tokens at 20%
+        assert layer.keys.shape[2] == (len(prompt) if spec.head_wise else expected)
     logits = press_extend(model, state, torch.tensor([prompt[-3:]]))  # decoding appends, never evicts
-    assert torch.isfinite(logits).all() and state.cache.get_seq_length() == expected + 3
+    assert torch.isfinite(logits).all() and state.cache.get_seq_length() == state.cache.layers[0].keys.shape[2]
+    assert state.cache.layers[0].keys.shape[2] == (len(prompt) if PRESSES[name].head_wise else expected) + 3
     assert state.next_position == len(prompt) + 3
+    assert model.config._attn_implementation == "h2o"
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("name", ["adakv_expected_attention", "snapkv"])
+def test_masked_entries_are_not_attended_and_follow_batch_copies(default_model, prompt, name):
+    """After ``press_expand`` every copy of the batch sees the compressed context as the single sequence does (a
+    head-wise press's mask is copied with the cache), and the mask does change what later queries attend."""
+    model, _ = default_model
+    keep = press(name, budget=0.2).entries(len(prompt))
+    continuation = torch.tensor([[11, 22, 33]])
+    state = press_prefill(model, torch.tensor([prompt]), name, keep)
+    alone = press_extend(model, state, continuation)
+    again = press_prefill(model, torch.tensor([prompt]), name, keep)
+    press_expand(model, again, 3)
+    batched = press_extend(model, again, continuation.expand(3, -1))
+    for copy in range(3):
+        torch.testing.assert_close(batched[copy], alone[0], atol=2e-4, rtol=1e-4)
+    full = press_prefill(model, torch.tensor([prompt]), name, len(prompt))
+    plain = press_extend(model, full, continuation)
+    assert not torch.allclose(alone, plain, atol=1e-2)  # the mask (or the removal) changed what was attended
 
 
 @torch.no_grad()
@@ -104,7 +142,9 @@ def test_peer_runs_through_the_task_scorer(default_model, prompt):
 
 
 def test_kvpress_import_leaves_other_attention_functions_alone():
+    """kvpress' head-wise attention patch stays on sdpa only (where the presses run); h2o-kv's function is its own."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     require_kvpress()
-    assert not any("attention_patch" in getattr(f, "__qualname__", "") for f in ALL_ATTENTION_FUNCTIONS.values())
+    patched = {n for n, f in ALL_ATTENTION_FUNCTIONS.items() if "attention_patch" in getattr(f, "__qualname__", "")}
+    assert patched <= {"sdpa"} and "h2o" in ALL_ATTENTION_FUNCTIONS

@@ -272,3 +272,23 @@ def test_setting_carries_kv_bits():
         KVSetting.of("h2o", budget=0.2, kv_bits=5)
     with pytest.raises(ValueError, match="QuantizedCache \\(quanto\\), 4-bit only"):
         KVSetting.of("dynamic", kv_bits=8)
+
+
+def test_quantized_peer_scores_choices_as_one_at_a_time(default_model):
+    """transformers' QuantizedCache (the peer) shares one quantized context among the answer choices of a task
+    (a beam reorder of row 0): each choice scores as if it were run alone, and the quantization does change them."""
+    pytest.importorskip("optimum.quanto")
+    from h2o_kv.eval.runner import KVRunner, score_continuations
+    from h2o_kv.setting import KVSetting
+
+    model, tokenizer = default_model
+    prompt = tokenizer("The capital of France is a city called Paris. " * 12).input_ids
+    choices = [tokenizer(t).input_ids for t in (" Paris is nice", " London", " a big city in Europe")]
+    peer = KVRunner(model, KVSetting.of("dynamic", kv_bits=4))
+    together, session = score_continuations(peer, prompt, choices)
+    assert type(session.cache).__name__ == "QuantizedCache"
+    for choice, (logprob, greedy) in zip(choices, together, strict=True):
+        [(alone, alone_greedy)] = score_continuations(peer, prompt, [choice])[0]
+        assert logprob == pytest.approx(alone, abs=1e-4) and greedy == alone_greedy
+    plain, _ = score_continuations(KVRunner(model, KVSetting("dynamic")), prompt, choices)
+    assert plain[2][0] != pytest.approx(together[2][0], abs=1e-3)

@@ -45,3 +45,20 @@ def test_peer_tests_fail_where_the_peer_is_required():
 def test_ci_requires_the_peer_in_its_kvpress_job():
     job = (ROOT / ".ci" / "run").read_text().split('job "2/4')[1].split('job "3/4')[0]
     assert "H2O_KV_REQUIRE_PEERS=1" in job and "tests/test_peers.py" in job
+
+
+def test_quant_run_eval_reports_failures_and_skips_finished_cells(tmp_path):
+    """``results/quant/run_eval.sh``: a failed cell fails the script (named), a finished one is not rerun."""
+    script = ROOT / "results" / "quant" / "run_eval.sh"
+
+    def run(what: str, evaluate: str, only: str = "") -> subprocess.CompletedProcess:
+        env = {**os.environ, "OUT": str(tmp_path), "EVAL": evaluate, "ONLY": only}
+        return subprocess.run(["bash", str(script), what], env=env, capture_output=True, text=True)
+
+    failed = run("xsum", "false", "h2o-kv4 dynamic-kv4")
+    assert failed.returncode == 1 and "FAILED: xsum200 h2o-kv4" in failed.stderr
+    assert "FAILED: xsum200 dynamic-kv4" in failed.stderr and "h2o-kv8" not in failed.stderr
+    (tmp_path / "xsum200_h2o-kv4.json").write_text("{}")
+    partly = run("xsum", "false", "h2o-kv4")
+    assert partly.returncode == 0 and "h2o-kv4" not in partly.stdout + partly.stderr
+    assert run("all", "true").returncode == 0 and run("everything", "true").returncode == 2

@@ -40,7 +40,7 @@ if [[ $what == all || $what == xsum ]]; then
   for p in h2o local sink tova snapkv h2o_mean; do
     run xsum --limit $XSUM_LIMIT --policy $p --budget 0.2 --json $OUT/xsum_${p}_b0.2.json
   done
-  for press in $PRESSES; do
+  for press in $PRESSES kvzip; do  # kvzip: the strongest press on RULER and the needle (docs/quality.md)
     run xsum --limit $XSUM_LIMIT --peer $press --budget 0.2 --json $OUT/xsum_kvpress_${press}_b0.2.json
   done
 fi

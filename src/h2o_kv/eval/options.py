@@ -8,6 +8,7 @@ from typing import Any
 
 import typer
 
+from ..peers import PRESSES
 from ..policies import POLICIES
 from ..setting import DYNAMIC, PRESS_PREFIX, KVSetting
 
@@ -28,7 +29,7 @@ RECENT = typer.Option(None, "--recent", help="Recent entries kept (with --heavy)
 PEER = typer.Option(
     None,
     "--peer",
-    help="Run a kvpress press instead of a policy: observed_attention, snapkv, tova, streaming_llm, knorm.",
+    help=f"Run a kvpress press instead of a policy: {', '.join(PRESSES)}.",
 )
 JSON = typer.Option(None, "--json", help="Write the result JSON here (resumable).")
 KV_BITS = typer.Option(

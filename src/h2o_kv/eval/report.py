@@ -59,8 +59,14 @@ def budget_column(record: dict[str, Any]) -> tuple[float, str]:
 
 
 def row_name(record: dict[str, Any]) -> str:
-    """The record's setting name; an external peer whose name does not say so (``kvpress:...`` does) gets "(peer)"."""
+    """The record's setting name, with its KV bits when quantized (``h2o + 4-bit``; ``dynamic`` quantized is
+    transformers' ``QuantizedCache``, a peer); an external peer whose name does not say so (``kvpress:...`` does)
+    gets "(peer)"."""
     name = str(record.get("policy"))
+    if record.get("kv_bits") and name == "dynamic":
+        return f"QuantizedCache {record['kv_bits']}-bit (quanto, peer)"
+    if record.get("kv_bits"):
+        name += f" + {record['kv_bits']}-bit"
     return name + (" (peer)" if record.get("peer") and ":" not in name else "")
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from transformers import QuantizedCache
 
 from ..hf.compat import cache_kwargs
 from ..peers import press_expand, press_extend, press_prefill, require_kvpress
@@ -102,7 +103,7 @@ class KVRunner:
             state = press_prefill(self.model, input_ids, setting.press, setting.entries(length))
             return Session(state.cache, state.logits, length, state.kept, press_state=state)
         stepwise = self.paper_protocol and setting.bounded  # nothing to evict: one causal forward is exact
-        cache = setting.make_cache(stepwise=stepwise)
+        cache = setting.make_cache(stepwise=stepwise, config=self.model.config if setting.kv_bits else None)
         with warnings.catch_warnings():  # "budget >= prompt length": expected for short prompts, nothing to evict
             warnings.filterwarnings("ignore", message="H2OCache", category=UserWarning)
             out = self.model(input_ids, **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
@@ -123,7 +124,9 @@ class KVRunner:
         if copies <= 1:
             return
         if session.press_state is not None:
-            press_expand(session.press_state, copies)
+            press_expand(self.model, session.press_state, copies)
+        elif isinstance(session.cache, QuantizedCache):  # its codes cannot be repeated: a beam reorder of row 0 is
+            session.cache.reorder_cache(torch.zeros(copies, dtype=torch.long))  # applied to the dequantized states
         else:
             session.cache.batch_repeat_interleave(copies)
         session.logits = session.logits.repeat_interleave(copies, dim=0)

@@ -1,0 +1,149 @@
+"""The quality leaderboard of the README (issue 12): KV settings x benchmarks at one budget, from the result records.
+
+    python scripts/leaderboard.py --plot results/quality/leaderboard.png > results/quality/leaderboard.md
+
+Each cell is the setting's score and its paired change against the full cache (``dynamic``) over the same items,
+with the 95% interval; an empty cell was not run. Benchmarks and their records:
+
+* RULER, question after the context, 1k tokens (``results/quality/ruler-eval``): suite mean over tasks of
+  ``string_match_all``; the change is the mean over tasks of item-by-item differences;
+* needle, question in the prompt, 1k tokens (``results/eval-tasks/needle_*``, ``results/quality/needle``): the
+  five depth cells at 1,024 tokens;
+* XSUM, 50 articles (``results/eval-tasks/xsum_*``): ROUGE-2 (x100);
+* lm-eval tasks, 5-shot, 100 items each (``results/eval-tasks/tasks_*``, prefill protocol): mean accuracy (x100),
+  the change averaged over tasks.
+
+Reads only the JSON records (each holds its command, commit and versions); prints markdown, draws the plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+from h2o_kv.tables import Estimate, average, markdown, mean, paired
+
+BASELINE = "dynamic"
+
+
+def _records(*patterns: str) -> list[dict]:
+    paths = sorted(p for pattern in patterns for p in Path().glob(pattern))
+    return [json.loads(p.read_text()) for p in paths]
+
+
+def ruler(record: dict, base: dict) -> tuple[Estimate, Estimate]:
+    tasks = record["tasks"]
+    key = lambda i: (i["task"], i["length"], i["index"])  # noqa: E731
+    base_score = {key(i): i["score"] for i in base["items"]}
+    by_task = {t: [i for i in record["items"] if i["task"] == t] for t in tasks}
+    value = average([mean([i["score"] for i in by_task[t]]) for t in tasks])
+    change = average(
+        [paired([i["score"] for i in by_task[t]], [base_score[key(i)] for i in by_task[t]]) for t in tasks]
+    )
+    return value, change
+
+
+def needle(record: dict, base: dict) -> tuple[Estimate, Estimate]:
+    cells = lambda r: {(c["length"], c["depth"]): c["score"] for c in r["cells"] if c["length"] == 1024}  # noqa: E731
+    mine, theirs = cells(record), cells(base)
+    order = sorted(mine)
+    return mean([mine[k] for k in order]), paired([mine[k] for k in order], [theirs[k] for k in order])
+
+
+def xsum(record: dict, base: dict) -> tuple[Estimate, Estimate]:
+    scores = [100 * x for x in record["items"]["rouge2"]]
+    return mean(scores), paired(scores, [100 * x for x in base["items"]["rouge2"]])
+
+
+def tasks(record: dict, base: dict) -> tuple[Estimate, Estimate]:
+    names = [t for t in base["tasks"] if t in record["tasks"]]
+    acc = lambda r, t: [100 * x for x in r["items"][t]["acc"]]  # noqa: E731
+    value = average([mean(acc(record, t)) for t in names])
+    return value, average([paired(acc(record, t), acc(base, t)) for t in names])
+
+
+BENCHMARKS: dict[str, tuple[tuple[str, ...], Callable]] = {
+    "RULER 1k, question after": (("results/quality/ruler-eval/*.json",), ruler),
+    "needle 1k": (("results/eval-tasks/needle_*.json", "results/quality/needle/*.json"), needle),
+    "XSUM-50 ROUGE-2": (("results/eval-tasks/xsum_*.json",), xsum),
+    "lm-eval tasks mean acc": (("results/eval-tasks/tasks_[!p]*.json",), tasks),
+}
+
+
+def name(record: dict) -> str:
+    return str(record["policy"]) + (f" + {record['kv_bits']}-bit" if record.get("kv_bits") else "")
+
+
+def collect(budget: float) -> dict[str, dict[str, tuple[Estimate, Estimate | None]]]:
+    """{benchmark: {setting: (score, paired change vs the full cache)}} for the records at ``budget``."""
+    table: dict[str, dict[str, tuple[Estimate, Estimate | None]]] = {}
+    for bench, (patterns, score) in BENCHMARKS.items():
+        found = [r for r in _records(*patterns) if r.get("kind") != "sweep"]
+        base = next((r for r in found if r["policy"] == BASELINE and not r.get("kv_bits")), None)
+        if base is None:
+            continue
+        cells = {BASELINE: (score(base, base)[0], None)}
+        for record in found:
+            if record["policy"] != BASELINE and record.get("budget") == budget:
+                cells[name(record)] = score(record, base)
+        table[bench] = cells
+    return table
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--budget", type=float, default=0.2)
+    parser.add_argument("--plot", type=Path, default=None)
+    args = parser.parse_args()
+    table = collect(args.budget)
+    settings = sorted({s for cells in table.values() for s in cells}, key=lambda s: (s != BASELINE, ":" in s, s))
+    rows = []
+    for setting in settings:
+        row = [setting if setting == BASELINE else f"{setting} @ {100 * args.budget:g}%"]
+        for cells in table.values():
+            if setting not in cells:
+                row.append("")
+                continue
+            value, change = cells[setting]
+            row.append(
+                f"{value.value:.2f}"
+                + ("" if change is None else f" ({change.format(digits=2, sign=True, interval=True)})")
+            )
+        rows.append(row)
+    print("\n".join(markdown(["setting", *table], rows)))
+    if args.plot is not None:
+        plot(table, settings, args.plot)
+
+
+def plot(table, settings, path: Path) -> None:
+    """One panel per benchmark: each setting's paired change vs the full cache with its 95% interval."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bounded = [s for s in settings if s != BASELINE]
+    fig, axes = plt.subplots(1, len(table), figsize=(4 * len(table), 0.28 * len(bounded) + 1.5), sharey=True)
+    for ax, (bench, cells) in zip(axes, table.items(), strict=True):
+        for y, setting in enumerate(bounded):
+            if setting not in cells:
+                continue
+            change = cells[setting][1]
+            low, high = change.interval() or (change.value, change.value)
+            peer = ":" in setting
+            ax.errorbar(change.value, y, xerr=[[change.value - low], [high - change.value]], fmt="s" if peer else "o",
+                        color="tab:gray" if peer else "tab:blue", capsize=2, markersize=4)  # fmt: skip
+        ax.axvline(0, color="black", linewidth=0.8)
+        ax.set_title(bench, fontsize=9)
+        ax.set_xlabel(f"change vs {BASELINE} (full cache)")
+    axes[0].set_yticks(range(len(bounded)), bounded, fontsize=7)
+    axes[0].invert_yaxis()
+    fig.suptitle("paired change vs the full cache, 95% intervals (kvpress presses gray squares)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
