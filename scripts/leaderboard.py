@@ -125,7 +125,10 @@ def plot(table, settings, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     bounded = [s for s in settings if s != BASELINE]
-    fig, axes = plt.subplots(1, len(table), figsize=(4 * len(table), 0.28 * len(bounded) + 1.5), sharey=True)
+    fig, axes = plt.subplots(
+        1, len(table), figsize=(4 * len(table), 0.28 * len(bounded) + 1.5), sharey=True, squeeze=False
+    )
+    axes = axes[0]
     for ax, (bench, cells) in zip(axes, table.items(), strict=True):
         for y, setting in enumerate(bounded):
             if setting not in cells:

@@ -187,7 +187,7 @@ def press_context(model, name: str, ratio: float, length: int | None = None) -> 
         yield press
 
 
-def kept_entries(model, cache, length: int) -> int:
+def kept_entries(model, cache) -> int:
     """Entries kept per layer and KV head after a press, averaged over layers: the cache's length, less the
     entries a head-wise press masked (``masked_key_indices``: one index per masked entry and head)."""
     heads = model.config.num_key_value_heads
@@ -212,6 +212,7 @@ class PressState:
     context_length: int
     compression_ratio: float
     logits: Any = field(repr=False)  # [batch, vocab]: logits after the last context token
+    masked: bool = False  # a head-wise press's mask must be applied by every later forward (kvpress' patched sdpa)
 
 
 def press_prefill(model, input_ids, name: str, keep: int) -> PressState:
@@ -229,7 +230,8 @@ def press_prefill(model, input_ids, name: str, keep: int) -> PressState:
     cache = DynamicCache()
     with torch.no_grad(), press_context(model, name, ratio, length):
         out = model(input_ids, **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
-    return PressState(cache, length, kept_entries(model, cache, length), length, ratio, out.logits[:, -1])
+    kept = kept_entries(model, cache)
+    return PressState(cache, length, kept, length, ratio, out.logits[:, -1], masked=PRESSES[name].head_wise)
 
 
 def press_extend(model, state: PressState, input_ids):
@@ -241,7 +243,8 @@ def press_extend(model, state: PressState, input_ids):
 
     batch, steps = input_ids.shape
     positions = torch.arange(state.next_position, state.next_position + steps, device=input_ids.device)
-    with torch.no_grad(), attention(model, PATCHED_ATTENTION):
+    implementation = PATCHED_ATTENTION if state.masked else model.config._attn_implementation
+    with torch.no_grad(), attention(model, implementation):
         out = model(input_ids, **cache_kwargs(state.cache), position_ids=positions.expand(batch, -1), use_cache=True)
     state.next_position += steps
     return out.logits

@@ -1,0 +1,47 @@
+"""scripts/leaderboard.py: each cell is the setting's score and its paired change vs the full cache, computed from
+the records' items (a hand count here), and the table names every setting and benchmark found."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_leaderboard():
+    spec = importlib.util.spec_from_file_location("leaderboard", ROOT / "scripts" / "leaderboard.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def ruler_record(policy, scores, budget=None):
+    items = [{"task": task, "length": 1024, "index": i, "score": s} for (task, i), s in scores.items()]
+    return {"kind": "ruler", "policy": policy, "budget": budget, "tasks": ["a", "b"], "items": items}
+
+
+def test_paired_change_against_the_full_cache_by_hand(tmp_path, monkeypatch, capsys):
+    folder = tmp_path / "results" / "quality" / "ruler-eval"
+    folder.mkdir(parents=True)
+    full = {("a", 0): 1.0, ("a", 1): 1.0, ("b", 0): 0.5, ("b", 1): 0.0}
+    mine = {("a", 0): 1.0, ("a", 1): 0.0, ("b", 0): 0.0, ("b", 1): 0.0}
+    (folder / "dynamic.json").write_text(json.dumps(ruler_record("dynamic", full)))
+    (folder / "h2o_0.2.json").write_text(json.dumps(ruler_record("h2o", mine, 0.2)))
+    (folder / "h2o_0.4.json").write_text(json.dumps(ruler_record("h2o", full, 0.4)))  # another budget: left out
+    monkeypatch.chdir(tmp_path)
+    board = load_leaderboard()
+    table = board.collect(0.2)
+    assert list(table) == ["RULER 1k, question after"]  # benchmarks without records are left out
+    cells = table["RULER 1k, question after"]
+    assert set(cells) == {"dynamic", "h2o"} and cells["dynamic"][1] is None
+    score, change = cells["h2o"]
+    assert score.value == pytest.approx((0.5 + 0.0) / 2)  # mean over tasks of the task means
+    assert change.value == pytest.approx(((0.0 - 1.0) / 2 + (0.0 - 0.5) / 2) / 2)  # paired, item by item
+    monkeypatch.setattr("sys.argv", ["leaderboard.py", "--plot", str(tmp_path / "board.png")])
+    board.main()
+    out = capsys.readouterr().out
+    assert "| h2o @ 20% | 0.25 (-0.38 [" in out and (tmp_path / "board.png").stat().st_size > 0
