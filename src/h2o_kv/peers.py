@@ -111,7 +111,7 @@ def require_kvpress():
 
     On import kvpress wraps every registered attention function (``attention_patch``) for its head-wise presses
     (AdaKV and friends); the wrapper passes ``dropout`` positionally, which breaks attention functions whose sixth
-    parameter is not ``dropout`` (h2o-kv's own). Those get their original function back; the presses run on ``sdpa``.
+    parameter is not ``dropout`` (h2o-kv's own). Those get their original function back; presses prefill on ``sdpa``.
     """
     if not kvpress_available():
         raise ImportError(
