@@ -5,13 +5,16 @@
 Each cell is the setting's score and its paired change against the full cache (``dynamic``) over the same items,
 with the 95% interval; an empty cell was not run. Benchmarks and their records:
 
-* RULER, question after the context, 1k tokens (``results/quality/ruler-eval``): suite mean over tasks of
-  ``string_match_all``; the change is the mean over tasks of item-by-item differences;
+* RULER, question after the context, 1k and 2k tokens (``results/quality/ruler-eval``,
+  ``results/quality/2k/ruler-eval``): suite mean over tasks of ``string_match_all``; the change is the mean over
+  tasks of item-by-item differences;
 * needle, question in the prompt, 1k tokens (``results/eval-tasks/needle_*``, ``results/quality/needle``): the
   five depth cells at 1,024 tokens;
-* XSUM, 50 articles (``results/eval-tasks/xsum_*``): ROUGE-2 (x100);
-* lm-eval tasks, 5-shot, 100 items each (``results/eval-tasks/tasks_*``, prefill protocol): mean accuracy (x100),
-  the change averaged over tasks.
+* XSUM, 50 articles (``results/eval-tasks/xsum_*``, ``results/quality/eval/xsum_*``): ROUGE-2 (x100);
+* lm-eval tasks, 5-shot, 100 items each (``results/eval-tasks/tasks_*``, prefill protocol;
+  ``results/quality/eval/tasks_*``): mean accuracy (x100), the change averaged over tasks.
+
+Rows are ``setting @ budget``, every budget found (``--budgets 0.1,0.2`` selects).
 
 Reads only the JSON records (each holds its command, commit and versions); prints markdown, draws the plot.
 """
@@ -23,6 +26,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+from h2o_kv.eval.report import row_name
 from h2o_kv.tables import Estimate, average, markdown, mean, paired
 
 BASELINE = "dynamic"
@@ -66,18 +70,16 @@ def tasks(record: dict, base: dict) -> tuple[Estimate, Estimate]:
 
 BENCHMARKS: dict[str, tuple[tuple[str, ...], Callable]] = {
     "RULER 1k, question after": (("results/quality/ruler-eval/*.json",), ruler),
+    "RULER 2k, question after": (("results/quality/2k/ruler-eval/*.json",), ruler),
     "needle 1k": (("results/eval-tasks/needle_*.json", "results/quality/needle/*.json"), needle),
-    "XSUM-50 ROUGE-2": (("results/eval-tasks/xsum_*.json",), xsum),
-    "lm-eval tasks mean acc": (("results/eval-tasks/tasks_[!p]*.json",), tasks),
+    "XSUM-50 ROUGE-2": (("results/eval-tasks/xsum_*.json", "results/quality/eval/xsum_*.json"), xsum),
+    "lm-eval tasks mean acc": (("results/eval-tasks/tasks_[!p]*.json", "results/quality/eval/tasks_*.json"), tasks),
 }
 
 
-def name(record: dict) -> str:
-    return str(record["policy"]) + (f" + {record['kv_bits']}-bit" if record.get("kv_bits") else "")
-
-
-def collect(budget: float) -> dict[str, dict[str, tuple[Estimate, Estimate | None]]]:
-    """{benchmark: {setting: (score, paired change vs the full cache)}} for the records at ``budget``."""
+def collect(budgets: list[float] | None = None) -> dict[str, dict[str, tuple[Estimate, Estimate | None]]]:
+    """{benchmark: {"setting @ B%": (score, paired change vs the full cache)}} for the records at ``budgets`` (all
+    budgets when ``None``)."""
     table: dict[str, dict[str, tuple[Estimate, Estimate | None]]] = {}
     for bench, (patterns, score) in BENCHMARKS.items():
         found = [r for r in _records(*patterns) if r.get("kind") != "sweep"]
@@ -86,22 +88,34 @@ def collect(budget: float) -> dict[str, dict[str, tuple[Estimate, Estimate | Non
             continue
         cells = {BASELINE: (score(base, base)[0], None)}
         for record in found:
-            if record["policy"] != BASELINE and record.get("budget") == budget:
-                cells[name(record)] = score(record, base)
+            if record["policy"] != BASELINE and (budgets is None or record.get("budget") in budgets):
+                cells[f"{row_name(record)} @ {100 * record['budget']:g}%"] = score(record, base)
         table[bench] = cells
     return table
 
 
+def order(setting: str) -> tuple:
+    """The baseline first, then by budget, h2o-kv's settings before the presses, by name."""
+    if setting == BASELINE:
+        return (0,)
+    name, budget = setting.rsplit(" @ ", 1)
+    return (1, float(budget.rstrip("%")), ":" in name, name)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--budget", type=float, default=0.2)
+    parser.add_argument("--budgets", default=None, help="comma-separated ratios (default: every budget found)")
+    parser.add_argument("--settings", default=None, help="comma-separated setting names (default: every one found)")
     parser.add_argument("--plot", type=Path, default=None)
     args = parser.parse_args()
-    table = collect(args.budget)
-    settings = sorted({s for cells in table.values() for s in cells}, key=lambda s: (s != BASELINE, ":" in s, s))
+    table = collect(None if args.budgets is None else [float(b) for b in args.budgets.split(",")])
+    settings = sorted({s for cells in table.values() for s in cells}, key=order)
+    if args.settings is not None:
+        wanted = {BASELINE, *args.settings.split(",")}
+        settings = [s for s in settings if s.rsplit(" @ ", 1)[0] in wanted]
     rows = []
     for setting in settings:
-        row = [setting if setting == BASELINE else f"{setting} @ {100 * args.budget:g}%"]
+        row = [setting]
         for cells in table.values():
             if setting not in cells:
                 row.append("")

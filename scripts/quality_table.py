@@ -1,6 +1,6 @@
 """The RULER tables of docs/quality.md and the README leaderboard, from the result records of one folder.
 
-    python scripts/quality_table.py results/quality/ruler-eval [--baseline dynamic]
+    python scripts/quality_table.py results/quality/ruler-eval [--baseline dynamic] [--budget 0.2]
 
 Rows: one KV setting; columns: each task's mean score (items scored by string_match_all), the suite mean (mean over
 tasks) with its 95% interval, and the paired difference with the baseline over the same items (mean over tasks of
@@ -13,6 +13,7 @@ import argparse
 import json
 from pathlib import Path
 
+from h2o_kv.eval.report import row_name
 from h2o_kv.tables import average, markdown, mean, paired
 
 
@@ -20,16 +21,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folder", type=Path)
     parser.add_argument("--baseline", default="dynamic")
+    parser.add_argument("--budget", type=float, default=None, help="only the bounded settings at this budget")
     args = parser.parse_args()
     records = [json.loads(p.read_text()) for p in sorted(args.folder.glob("*.json"))]
     records = [r for r in records if r.get("kind") == "ruler"]
+    records = [r for r in records if args.budget is None or not r["bounded"] or r["budget"] == args.budget]
     if not records:
         raise SystemExit(f"Error: no ruler records in {args.folder}")
     tasks = records[0]["tasks"]
     base = next((r for r in records if r["policy"] == args.baseline), None)
     header = ["setting", *tasks, "mean [95% CI]", f"vs {args.baseline} (paired) [95% CI]", "items", "kept"]
     rows = []
-    for r in sorted(records, key=lambda r: (r["bounded"], r["policy"])):
+    for r in sorted(records, key=lambda r: (r["bounded"], row_name(r))):
         by_task = {t: [i for i in r["items"] if i["task"] == t] for t in tasks}
         suite = average([mean([i["score"] for i in by_task[t]]) for t in tasks])
         delta = ""
@@ -38,7 +41,7 @@ def main() -> None:
             key = lambda i: (i["task"], i["length"], i["index"])  # noqa: E731
             diffs = [paired([i["score"] for i in by_task[t]], [base_score[key(i)] for i in by_task[t]]) for t in tasks]
             delta = average(diffs).format(digits=2, sign=True, interval=True)
-        setting = r["policy"] if not r["bounded"] else f"{r['policy']} @ {100 * r['budget']:g}%"
+        setting = row_name(r) if not r["bounded"] else f"{row_name(r)} @ {100 * r['budget']:g}%"
         rows.append([
             setting, *(f"{mean([i['score'] for i in by_task[t]]).value:.2f}" for t in tasks),
             suite.format(digits=2, interval=True), delta, str(len(r["items"])), f"{r['kv_kept_ratio']:.2f}",

@@ -11,7 +11,7 @@ from reference import reference_generate
 
 from h2o_kv import POLICIES, H2OCache, load_model
 from h2o_kv.hf.compat import cache_kwargs
-from h2o_kv.policies import AdaH2O, make_policy
+from h2o_kv.policies import AdaH2O, GlobalH2O, make_policy
 
 
 @pytest.fixture(scope="module")
@@ -151,9 +151,11 @@ def test_head_adaptive_selection_by_hand():
     assert [set(index[0, h, :2].tolist()) for h in range(3)] == [{0, 1}, {0, 1}, {0, 3}]
 
 
-def test_ada_h2o_with_full_safeguard_is_h2o(tiny):
+@pytest.mark.parametrize("policy", ["ada_h2o", "global_h2o"])
+def test_adaptive_h2o_with_full_safeguard_is_h2o(tiny, policy):
+    """``alpha=1``: every head keeps its own best ``capacity`` first, which is the whole budget: exactly ``h2o``."""
     model, ids = tiny["llama"], random_prompt(40, seed=9)
-    caches = [H2OCache(heavy=5, recent=7, policy="h2o"), H2OCache(heavy=5, recent=7, policy="ada_h2o", alpha=1.0)]
+    caches = [H2OCache(heavy=5, recent=7, policy="h2o"), H2OCache(heavy=5, recent=7, policy=policy, alpha=1.0)]
     (h2o_tokens, h2o_logits), (tokens, logits) = (greedy_generate(model, ids, c, 16) for c in caches)
     assert tokens.tolist() == h2o_tokens.tolist()
     torch.testing.assert_close(logits, h2o_logits, atol=1e-5, rtol=1e-5)
@@ -179,3 +181,64 @@ def test_head_adaptive_keeps_the_layer_total(tiny, policy, options):
     grows = 0 if cache.policy.evicts_during_decode else 9  # snapkv compresses once, then the cache grows
     for layer in cache.layers:
         assert int(layer.valid.sum()) == heads * (capacity + grows)
+
+
+# -- one budget across layers ---------------------------------------------------------------------------------
+
+
+def test_across_layers_selection_by_hand():
+    ranks = [
+        torch.tensor([[[9.0, 8.0, 1.0], [0.5, 0.4, 0.3]]]),
+        torch.tensor([[[7.0, 6.0, 5.0], [4.0, -math.inf, 0.1]]]),
+    ]
+    out = GlobalH2O(heavy=1, recent=1).select_layers(ranks, 1)  # 2 layers x 2 heads x 1 = the top 4 of all
+    assert [counts.tolist() for _, counts in out] == [[[2, 0]], [[2, 0]]]  # 9 8 | 7 6
+    assert set(out[0][0][0, 0, :2].tolist()) == {0, 1} and set(out[1][0][0, 0, :2].tolist()) == {0, 1}
+    out = GlobalH2O(heavy=1, recent=1, alpha=1.0).select_layers(ranks, 1)  # each head's own best: per-head rule
+    assert [counts.tolist() for _, counts in out] == [[[1, 1]], [[1, 1]]]
+    assert [index[0, :, 0].tolist() for index, _ in out] == [[0, 0], [0, 0]]
+
+
+@pytest.mark.parametrize("policy, options", [("global_h2o", {}), ("global_window_h2o", {"window": 16}),
+                                             ("global_snapkv", {"window": 4})])  # fmt: skip
+def test_global_budget_keeps_the_model_total_and_the_best_entries(tiny, policy, options):
+    """After the prompt: the model holds exactly layers x heads x capacity entries, layers differ, and every kept
+    entry ranks at least as high as every dropped one over the whole model; then the total holds (or grows by one
+    entry per head and step for SnapKV, which compresses once)."""
+    model, ids, heavy, recent = tiny["llama"], random_prompt(48, seed=4), 6, 6
+    cache = H2OCache(heavy=heavy, recent=recent, policy=policy, **options)
+    with torch.no_grad():
+        model(ids, **cache_kwargs(cache), use_cache=True)
+    assert cache.selection_pending and cache.layers[0].entry_count().max() == 48  # all kept until every layer scored
+    ranks = [cache.policy.keep_score(layer.view()) for layer in cache.layers]  # every candidate, before selection
+    pos = [layer.pos.clone() for layer in cache.layers]
+    cache.select_across_layers()
+    capacity, heads, n_layers = heavy + recent, cache.layers[0].keys.shape[1], len(cache.layers)
+    assert sum(int(layer.valid.sum()) for layer in cache.layers) == n_layers * heads * capacity
+    assert len({int(layer.valid.sum()) for layer in cache.layers}) > 1  # really across layers
+    kept_ranks, dropped_ranks = [], []
+    for layer, rank, columns in zip(cache.layers, ranks, pos, strict=True):
+        for h in range(heads):
+            held = set(layer.pos[0, h][layer.valid[0, h]].tolist())
+            for column, value in zip(columns[0, h].tolist(), rank[0, h].tolist(), strict=True):
+                (kept_ranks if column in held else dropped_ranks).append(value)
+    assert min(kept_ranks) >= max(dropped_ranks)
+    cache.stepwise = True
+    with torch.no_grad():
+        for token in random_prompt(9, seed=5)[0]:  # decode steps (the first one would also run the selection)
+            model(token.view(1, 1), **cache_kwargs(cache), use_cache=True)
+    grows = 0 if cache.policy.evicts_during_decode else 9
+    assert sum(int(layer.valid.sum()) for layer in cache.layers) == n_layers * heads * (capacity + grows)
+
+
+def test_global_budget_refusals():
+    from h2o_kv.vllm.config import ACROSS_LAYERS, POLICY_NAMES, ServeConfig
+
+    with pytest.raises(ValueError, match="kv_bits is not supported with the across-layers policy 'global_h2o'"):
+        H2OCache(heavy=2, recent=2, policy="global_h2o", kv_bits=4)
+    with pytest.raises(ValueError, match="does not support the head-adaptive policy 'global_snapkv'"):
+        H2OCache(heavy=2, recent=2, policy="global_snapkv", streaming=True)
+    with pytest.raises(ValueError, match="policy global_h2o shares one budget across all layers"):
+        ServeConfig(policy="global_h2o", budget=0.2)
+    assert set(POLICY_NAMES) | set(ACROSS_LAYERS) == set(POLICIES)
+    assert set(ACROSS_LAYERS) == {name for name, cls in POLICIES.items() if cls.across_layers}

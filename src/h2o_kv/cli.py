@@ -31,7 +31,8 @@ except ImportError:  # pragma: no cover - older typer
 # the names registered in h2o_kv.policies.POLICIES (importing it imports torch; a test keeps the two equal)
 POLICY_NAMES = (
     "h2o", "local", "sink", "full", "tova", "snapkv", "random", "h2o_mean",
-    "a2sf", "keydiff", "window_h2o", "ada_h2o", "ada_snapkv", "ada_window_h2o",
+    "a2sf", "keydiff", "window_h2o", "ada_h2o", "ada_snapkv", "ada_window_h2o", "global_h2o", "global_snapkv",
+    "global_window_h2o",
 )  # fmt: skip
 KV_BITS = (4, 8)  # h2o_kv.hf.quant.KV_BITS (importing it imports torch; a test keeps the two equal)
 KV_BITS_HELP = "Store the kept KV entries quantized: 8 or 4 bits per number, group 64 (H2OCache(kv_bits=...))."

@@ -13,6 +13,10 @@ Any setting but a press may store its KV entries quantized (``kv_bits`` 4 or 8):
 ``H2OCache(kv_bits=...)`` (:mod:`h2o_kv.hf.quant`), ``dynamic`` as transformers' own ``QuantizedCache`` (the peer,
 quanto backend, 4-bit only, group 64, the same full-precision residual length as h2o-kv's ring).
 
+An h2o-kv policy may score its prompt by a context-reconstruction pass (``reconstruct``: ``sum`` or ``max`` of its
+attention, KVzip's signal: :mod:`h2o_kv.hf.reconstruct`); the setting is then labelled ``<policy>+rec`` or
+``<policy>+recmax``.
+
 Whether a setting evicts comes from the policy object (:attr:`Policy.bounded`), never from its name; a bounded
 setting needs a budget, an unbounded one takes none. Entry counts come from :meth:`Budget.entries` only.
 """
@@ -58,9 +62,19 @@ class KVSetting:
     name: str
     budget: Budget | None = None
     kv_bits: int | None = None
+    reconstruct: str | None = None  # the statistic of a reconstruction pass: "sum" or "max"
 
     def __post_init__(self):
         check_name(self.name)
+        from .hf.cache import STATISTICS
+
+        if self.reconstruct is not None and self.reconstruct not in STATISTICS:
+            raise ValueError(f"reconstruct must be one of {', '.join(STATISTICS)}; got {self.reconstruct!r}")
+        if self.reconstruct and not (self.uses_h2o_cache and self.bounded and self.kv_bits is None):
+            raise ValueError(
+                f"reconstruct: a context-reconstruction pass scores the prompt for a bounded h2o-kv policy in full "
+                f"precision; not for {self.label}"
+            )
         from .hf.quant import check_bits
 
         check_bits(self.kv_bits)
@@ -85,12 +99,13 @@ class KVSetting:
         recent: int | None = None,
         option: str = "setting",
         kv_bits: int | None = None,
+        reconstruct: str | None = None,
     ) -> KVSetting:
         """The setting ``name`` with the budget of the user options (none for an unbounded setting); errors name
         ``option`` (e.g. ``--policy``) for a bad name."""
         check_name(name, option)
         given = budget is not None or heavy is not None or recent is not None
-        return cls(name, Budget.of(budget, heavy, recent) if given else None, kv_bits)
+        return cls(name, Budget.of(budget, heavy, recent) if given else None, kv_bits, reconstruct)
 
     @property
     def press(self) -> str | None:
@@ -134,8 +149,8 @@ class KVSetting:
 
     def fields(self) -> dict[str, Any]:
         """The result-record fields of this setting (``budget`` 1.0 and no counts when nothing is evicted;
-        ``kv_bits`` only when quantized, so the records and item logs of full-precision runs are unchanged and
-        still resume)."""
+        ``kv_bits`` only when quantized and ``reconstruct`` only when set, so the records and item logs of earlier
+        runs are unchanged and still resume)."""
         budget = self.budget
         fields = {
             "policy": self.name,
@@ -147,16 +162,21 @@ class KVSetting:
         }
         if self.kv_bits is not None:
             fields["kv_bits"] = self.kv_bits
+        if self.reconstruct:
+            fields["reconstruct"] = self.reconstruct
         return fields
 
     def describe(self) -> str:
         bits = "" if self.kv_bits is None else f" + {self.kv_bits}-bit KV"
+        bits += f" + reconstruction scoring ({self.reconstruct})" if self.reconstruct else ""
         return (self.name if self.budget is None else f"{self.name} ({self.budget.describe()})") + bits
 
     @property
     def label(self) -> str:
-        """The setting's name with its KV precision, for file names and tables: ``h2o``, ``h2o-kv4``."""
-        return self.name if self.kv_bits is None else f"{self.name}-kv{self.kv_bits}"
+        """The setting's name with its KV precision and scoring, for file names and tables: ``h2o``, ``h2o-kv4``,
+        ``snapkv+rec`` (reconstruction scoring, sum), ``snapkv+recmax``."""
+        label = self.name if self.kv_bits is None else f"{self.name}-kv{self.kv_bits}"
+        return label + {None: "", "sum": "+rec", "max": "+recmax"}[self.reconstruct]
 
 
 def quantized_peer_cache(config, kv_bits: int = 4):

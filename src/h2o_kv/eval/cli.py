@@ -9,7 +9,7 @@ from typing import Any
 
 import typer
 
-from .options import BUDGET, DEVICE, DTYPE, HEAVY, JSON, KV_BITS, MODEL, PEER, POLICY, RECENT, kv_setting
+from .options import BUDGET, DEVICE, DTYPE, HEAVY, JSON, KV_BITS, MODEL, PEER, POLICY, RECENT, RECONSTRUCT, kv_setting
 
 app = typer.Typer(help="Quality at a given KV setting, on real data.", no_args_is_help=True)
 
@@ -160,6 +160,7 @@ def tasks(
     ),
     peer: str = PEER,
     kv_bits: int = KV_BITS,
+    reconstruct: str = RECONSTRUCT,
     json_path: Path = JSON,
     model: str = MODEL,
     dtype: str = DTYPE,
@@ -172,8 +173,8 @@ def tasks(
     handle = ModelHandle(model, dtype, device)
     job, loaded = _prepare(
         lambda: TasksJob.create(
-            task_names, kv_setting(policy, budget, heavy, recent, peer, kv_bits), paper_protocol=paper_protocol,
-            num_fewshot=num_fewshot, limit=limit, include_path=include_path or None,
+            task_names, kv_setting(policy, budget, heavy, recent, peer, kv_bits, reconstruct),
+            paper_protocol=paper_protocol, num_fewshot=num_fewshot, limit=limit, include_path=include_path or None,
         ),
         handle,
     )  # fmt: skip
@@ -191,6 +192,7 @@ def xsum(
     recent: int = RECENT,
     peer: str = PEER,
     kv_bits: int = KV_BITS,
+    reconstruct: str = RECONSTRUCT,
     raw_prompt: bool = typer.Option(False, "--raw-prompt", help="Feed the file's prompt as is (no chat template)."),
     data: Path = typer.Option(None, "--data", help="Another XSUM 0-shot JSONL (default: the shared data file)."),
     json_path: Path = JSON,
@@ -205,7 +207,10 @@ def xsum(
     handle = ModelHandle(model, dtype, device)
     job, loaded = _prepare(
         lambda: XsumJob.create(
-            kv_setting(policy, budget, heavy, recent, peer, kv_bits), limit=limit, raw_prompt=raw_prompt, path=data
+            kv_setting(policy, budget, heavy, recent, peer, kv_bits, reconstruct),
+            limit=limit,
+            raw_prompt=raw_prompt,
+            path=data,
         ),
         handle,
     )
@@ -230,6 +235,7 @@ def needle(
     recent: int = RECENT,
     peer: str = PEER,
     kv_bits: int = KV_BITS,
+    reconstruct: str = RECONSTRUCT,
     png: Path = typer.Option(None, "--png", help="Write the heatmap (depth x length) here."),
     compare: list[Path] = typer.Option(None, "--compare", help="Other needle result JSONs drawn next to this one."),
     json_path: Path = JSON,
@@ -251,7 +257,7 @@ def needle(
             if not path.is_file():
                 raise FileNotFoundError(f"--compare {path} does not exist")
             others.append(json.loads(path.read_text()))
-        setting = kv_setting(policy, budget, heavy, recent, peer, kv_bits)
+        setting = kv_setting(policy, budget, heavy, recent, peer, kv_bits, reconstruct)
         parse_ints(lengths, "lengths", 1), parse_ints(depths, "depths", 0, 100)  # before the model loads
         from ..models import model_context_length
 
@@ -288,6 +294,7 @@ def ruler(
     heavy: int = HEAVY,
     recent: int = RECENT,
     peer: str = PEER,
+    reconstruct: str = RECONSTRUCT,
     json_path: Path = JSON,
     model: str = MODEL,
     dtype: str = DTYPE,
@@ -301,7 +308,7 @@ def ruler(
     handle = ModelHandle(model, dtype, device)
 
     def make():
-        setting = kv_setting(policy, budget, heavy, recent, peer)
+        setting = kv_setting(policy, budget, heavy, recent, peer, reconstruct=reconstruct)
         check_protocol(setting, False)
         from ..models import model_context_length
 

@@ -89,7 +89,7 @@ class H2OKVLM(TemplateLM):
         if tokenizer is None:
             raise ValueError("H2OKVLM needs a tokenizer (the model directory has none; pass tokenizer=...)")
         self.model, self.tokenizer = model, tokenizer
-        self.runner = KVRunner(model, setting, paper_protocol=bool(paper_protocol))
+        self.runner = KVRunner(model, setting, paper_protocol=bool(paper_protocol), tokenizer=tokenizer)
         self.setting = setting
         self.model_name = model_name or str(pretrained or getattr(model.config, "name_or_path", "model"))
         from ..models import model_context_length

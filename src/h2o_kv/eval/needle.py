@@ -141,7 +141,7 @@ def run_needle(
     keep_item_log: bool = False,
 ) -> dict[str, Any]:
     """Run the grid (resumable per cell), write the JSON and, with ``png``, the heatmap (depth x length)."""
-    runner = KVRunner(model, job.setting)
+    runner = KVRunner(model, job.setting, tokenizer=tokenizer)
     log = None
     if json_path is not None:
         settings = {"model": model_name, **job.setting.fields(), "needle": NEEDLE, "question": QUESTION}

@@ -31,6 +31,13 @@ PEER = typer.Option(
     "--peer",
     help=f"Run a kvpress press instead of a policy: {', '.join(PRESSES)}.",
 )
+RECONSTRUCT = typer.Option(
+    None,
+    "--reconstruct",
+    help="Score the prompt's entries by a context-reconstruction pass (KVzip's request to repeat the context, "
+    "arXiv:2505.23416) for the --policy: sum (H2O's statistic) or max (KVzip's) of the request's attention, as the "
+    "policy's observation window; about twice the prefill cost.",
+)
 JSON = typer.Option(None, "--json", help="Write the result JSON here (resumable).")
 KV_BITS = typer.Option(
     None,
@@ -47,6 +54,7 @@ def kv_setting(
     recent: int | None = None,
     peer: str | None = None,
     kv_bits: int | None = None,
+    reconstruct: str | None = None,
 ) -> KVSetting:
     """The KV setting of the command-line options: ``--policy`` (default ``h2o``) or ``--peer PRESS``; ``--kv-bits``."""
     if peer is not None:
@@ -62,7 +70,16 @@ def kv_setting(
 
         if kv_bits not in allowed:
             raise ValueError(f"--kv-bits must be one of {', '.join(map(str, allowed))}; got {kv_bits}")
-    return KVSetting.of(name, budget=budget, heavy=heavy, recent=recent, option="--policy", kv_bits=kv_bits)
+    if reconstruct is not None:
+        from ..hf.cache import STATISTICS
+
+        if reconstruct not in STATISTICS:
+            raise ValueError(f"--reconstruct must be one of {', '.join(STATISTICS)}; got {reconstruct!r}")
+    if reconstruct and peer is not None:
+        raise ValueError(f"--reconstruct scores the prompt for an h2o-kv --policy; --peer {peer} has its own scoring")
+    return KVSetting.of(
+        name, budget=budget, heavy=heavy, recent=recent, option="--policy", kv_bits=kv_bits, reconstruct=reconstruct
+    )
 
 
 def option_int(options: dict[str, Any], name: str, default: int | None = None) -> int | None:

@@ -67,6 +67,7 @@ def row_name(record: dict[str, Any]) -> str:
         return f"QuantizedCache {record['kv_bits']}-bit (quanto, peer)"
     if record.get("kv_bits"):
         name += f" + {record['kv_bits']}-bit"
+    name += {None: "", "sum": "+rec", "max": "+recmax"}[record.get("reconstruct")]  # KVSetting.label's suffixes
     return name + (" (peer)" if record.get("peer") and ":" not in name else "")
 
 

@@ -354,7 +354,7 @@ def run_ruler(
     keep_item_log: bool = False,
 ) -> dict[str, Any]:
     """Run every item (resumable through the item log) and write the result record."""
-    runner = KVRunner(model, job.setting)
+    runner = KVRunner(model, job.setting, tokenizer=tokenizer)
     # what an item's answer depends on (not which items run: a run with more items or lengths reuses finished ones)
     settings = {"model": model_name, **job.setting.fields(), "seed": job.seed, "protocol": job.protocol,
                 "max_new_tokens": MAX_NEW_TOKENS}  # fmt: skip

@@ -6,6 +6,8 @@ stepwise, generate greedily. Shared by the lm-eval tasks, XSUM and the needle te
   forward per chunk (``H2OCache.stepwise``), exactly as feeding the tokens one at a time would. With
   ``paper_protocol`` (the H2O paper's lm-eval setting) the prompt too is read under eviction, stepwise.
 * An unbounded setting (``dynamic``, ``full``) evicts nothing, so one causal forward per chunk is exact.
+* With ``reconstruct`` the prompt's entries are scored by KVzip's context-reconstruction request
+  (:mod:`h2o_kv.hf.reconstruct`), in the same prefill forward; the policy then works as above.
 * A kvpress press compresses the prompt once (:mod:`h2o_kv.peers`) and never evicts afterwards.
 """
 
@@ -79,11 +81,19 @@ class Session:
 class KVRunner:
     """Prefill a prompt, extend it, generate greedily - under one :class:`~h2o_kv.setting.KVSetting`."""
 
-    def __init__(self, model, setting: KVSetting, *, paper_protocol: bool = False):
+    def __init__(self, model, setting: KVSetting, *, paper_protocol: bool = False, tokenizer=None):
         check_protocol(setting, paper_protocol)
+        if setting.reconstruct and (paper_protocol or tokenizer is None):
+            raise ValueError("reconstruct: the reconstruction request needs the tokenizer and a prefill at once "
+                             "(not --paper-protocol)")  # fmt: skip
         self.model = model
         self.setting = setting
         self.paper_protocol = paper_protocol
+        self.reconstruction = None
+        if setting.reconstruct:
+            from ..hf.reconstruct import Reconstruction
+
+            self.reconstruction = Reconstruction.for_tokenizer(tokenizer)
 
     @property
     def device(self) -> torch.device:
@@ -106,10 +116,16 @@ class KVRunner:
         cache = setting.make_cache(stepwise=stepwise, config=self.model.config if setting.kv_bits else None)
         with warnings.catch_warnings():  # "budget >= prompt length": expected for short prompts, nothing to evict
             warnings.filterwarnings("ignore", message="H2OCache", category=UserWarning)
-            out = self.model(input_ids, **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
+            if self.reconstruction is not None:
+                from ..hf.reconstruct import prefill
+
+                logits = prefill(self.model, cache, input_ids, self.reconstruction, setting.reconstruct)
+            else:
+                logits = self.model(input_ids, **cache_kwargs(cache), use_cache=True, logits_to_keep=1).logits[:, -1]
         if setting.bounded:
+            cache.select_across_layers()  # an across-layers policy's selection, now that every layer has scored
             cache.stepwise = True  # from here on every token is a decode step with eviction
-        return Session(cache, out.logits[:, -1], length, held_entries(cache))
+        return Session(cache, logits, length, held_entries(cache))
 
     @torch.no_grad()
     def extend(self, session: Session, ids: torch.Tensor) -> torch.Tensor:

@@ -119,7 +119,7 @@ def run_xsum(
     keep_item_log: bool = False,
 ) -> dict[str, Any]:
     """Summarize every item, score it, write the result JSON (``rouge1/2/L`` means with ``_stderr``)."""
-    runner = KVRunner(model, job.setting)
+    runner = KVRunner(model, job.setting, tokenizer=tokenizer)
     log = None
     if json_path is not None:
         settings = {"model": model_name, **job.setting.fields(), "raw_prompt": job.raw_prompt, "data": sha256(job.path)}

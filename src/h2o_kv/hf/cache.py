@@ -23,6 +23,7 @@ The per-step contract (the whole interface between this module, :mod:`h2o_kv.hf.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from ..policies import EntryView, Policy, make_policy
 from . import compat, quant
 from .quant import QuantizedSlots
 
+STATISTICS = ("sum", "max")  # of a scoring pass's attention (H2O's sum, KVzip's max)
 NO_START = 2**60  # `start` of a sequence that has shown no real token yet
 _STAGED = threading.local()
 
@@ -260,16 +262,30 @@ class H2OLayer(compat.LayerNames, CacheLayerMixin):
         """Fold a prompt chunk's attention into the scores and gather the best ``capacity`` candidates."""
         policy = self.cache.policy
         chunk.scores = policy.accumulate(chunk.scores, mass, last)
+        scoring = self.cache.scoring_rows  # a scoring pass's rows only scored: their entries and columns go
+        if scoring:
+            chunk.valid[:, :, -scoring:] = False
+            self.seen -= scoring
+        if policy.across_layers:  # every candidate stays until all layers have scored (H2OCache.select_across_layers)
+            self.cache.selection_pending = True
+            self.store(chunk, None, None, chunk.valid.shape[2] - scoring, full_budget=False)
+            return
         counts = chunk.valid.sum(-1)
         keep = int(min(policy.capacity, counts.max()))
         index = held = None
         if keep < chunk.valid.shape[2] or not bool(chunk.valid.all()):
             rank = policy.keep_score(self.view(chunk.pos, chunk.valid, chunk.scores, chunk.keys))
             index, held = policy.select(rank.masked_fill(~chunk.valid, -math.inf), keep)
+        self.store(chunk, index, held, keep, full_budget=keep == policy.capacity)
+
+    def store(self, chunk: Candidates, index, held, keep: int, *, full_budget: bool) -> None:
+        """Gather the candidates ``index`` (``None``: the first ``keep``) into the slots; ``held``: the head-adaptive
+        counts per head (see :meth:`Policy.select`); ``full_budget``: the selection filled the budget."""
+        policy = self.cache.policy
         width = keep if held is None else index.shape[2]  # head-adaptive: padded to the largest head's count
-        self.head_capacity = held if held is not None and keep == policy.capacity else None
+        self.head_capacity = held if held is not None and full_budget else None
         # a full budget will need its one free slot at the next token; a shorter prompt grows one slot at a time
-        slots = width + 1 if keep == policy.capacity and policy.evicts_during_decode else width
+        slots = width + 1 if full_budget and policy.evicts_during_decode else width
         new = chunk.keys.shape[2] - self.slots  # the chunk's own entries, last among the candidates
         if self.slots != slots:
             self._resize(slots)
@@ -285,7 +301,7 @@ class H2OLayer(compat.LayerNames, CacheLayerMixin):
             if index is not None:
                 gather_index = index if source.dim() == 3 else index.unsqueeze(-1).expand(-1, -1, -1, source.shape[-1])
                 source = source.gather(2, gather_index)
-            getattr(self, name)[:, :, :width] = source
+            getattr(self, name)[:, :, :width] = source[:, :, :width]
         if held is not None:
             self.valid[:, :, :width] &= torch.arange(width, device=self.device) < held.unsqueeze(-1)
         self.peak_entries = max(self.peak_entries, int(self.entry_count().max()))
@@ -426,8 +442,54 @@ class H2OCache(Cache):
                 self.policy = probe
         if self.streaming and self.policy is not None and not self.policy.bounded:
             raise ValueError("streaming=True needs a bounded policy (h2o, sink, local, ...), not 'full'")
+        if self.kv_bits is not None and (self.policy or probe).across_layers:
+            raise ValueError(f"kv_bits is not supported with the across-layers policy {self.policy_name!r}")
         if self.streaming and (self.policy or probe).head_adaptive:
             raise ValueError(f"streaming=True does not support the head-adaptive policy {self.policy_name!r}")
+        self.scoring_rows, self.scoring_statistic = 0, "sum"  # set by scoring_pass() for one forward
+        self.selection_pending = False  # an across-layers policy's prompt awaits select_across_layers()
+
+    def select_across_layers(self) -> None:
+        """Keep the best entries of every layer and KV head together, once a prompt has been scored by all layers.
+
+        For a policy with :attr:`~h2o_kv.Policy.across_layers` (:class:`~h2o_kv.policies.AcrossLayers`) a prompt
+        chunk keeps all its candidates; this step then gives the model's whole budget (``layers * heads *
+        capacity`` entries per sequence) to the best-ranked entries overall. It runs by itself when the next forward
+        starts (and here when called after a prefill); it does nothing when no selection is pending.
+        """
+        if not self.selection_pending:
+            return
+        self.selection_pending = False
+        layers = [layer for layer in self.layers if layer.is_initialized]
+        policy = self.policy
+        counts = max(int(layer.entry_count().max()) for layer in layers)
+        keep = int(min(policy.capacity, counts))
+        ranks = [policy.keep_score(layer.view()).masked_fill(~layer.valid, -math.inf) for layer in layers]
+        for layer, (index, held) in zip(layers, policy.select_layers(ranks, keep), strict=True):
+            chunk = Candidates(layer.keys, layer.values, layer.pos, layer.valid, layer.scores)
+            layer.store(chunk, index, held, keep, full_budget=keep == policy.capacity)
+
+    @contextlib.contextmanager
+    def scoring_pass(self, rows: int, statistic: str = "sum"):
+        """The one prompt forward run inside this block ends with ``rows`` rows that only *score*.
+
+        Those rows attend as usual and their attention is the policy's observation window (``last``: the
+        probability ``sum`` over the rows and the group's query heads, or its ``max``, KVzip's statistic; the sum is
+        also part of ``mass``); then their own entries are dropped and their columns given back, so the cache holds the
+        budget's best entries of the earlier rows and the next token takes the column after them. This is how a
+        context-reconstruction pass (KVzip, :mod:`h2o_kv.hf.reconstruct`) scores a prompt for any policy.
+        """
+        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+            raise ValueError(f"rows must be an integer >= 1, got {rows!r}")
+        if statistic not in STATISTICS:
+            raise ValueError(f"statistic must be one of {', '.join(STATISTICS)}; got {statistic!r}")
+        if self.stepwise or self.streaming or self.kv_bits is not None:
+            raise ValueError("a scoring pass needs a plain prompt chunk: not stepwise, streaming or kv_bits")
+        self.scoring_rows, self.scoring_statistic = rows, statistic
+        try:
+            yield self
+        finally:
+            self.scoring_rows, self.scoring_statistic = 0, "sum"
 
     # -- policy resolution ----------------------------------------------------------------------------------------
     def _resolve(self, prompt_length: int) -> None:
@@ -449,8 +511,10 @@ class H2OCache(Cache):
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         while len(self.layers) <= layer_idx:
             self.layers.append(H2OLayer(self))
+        if layer_idx == 0 and self.selection_pending:
+            self.select_across_layers()
         if layer_idx == 0 and self.layers[0].seen == 0:
-            self._resolve(key_states.shape[2])
+            self._resolve(key_states.shape[2] - self.scoring_rows)  # the budget is of the prompt, not its scoring
         return self.layers[layer_idx].update(key_states, value_states)
 
     def get_mask_sizes(self, query, layer_idx: int = 0) -> tuple[int, int]:

@@ -41,6 +41,7 @@ def attention_with_mass(
     sliding_window: int | None = None,
     need_mass: bool = True,
     window: int = 1,
+    window_max: bool = False,
     chunk_bytes: int = 64 * 2**20,
     chunk_start: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -63,7 +64,8 @@ def attention_with_mass(
 
     Returns ``(output [B, Q, Hq, Dv], mass [B, Hkv, N], last [B, Hkv, N])``: ``mass`` is the probability
     summed over the group's query heads and all real rows, ``last`` the same over the last ``window`` rows only
-    (float32; TOVA uses the last row, SnapKV an observation window).
+    (float32; TOVA uses the last row, SnapKV an observation window), or with ``window_max`` their maximum over those
+    rows and the group's heads (KVzip's statistic).
     """
     batch, q_heads, rows, dim = query.shape
     kv_heads, entries = keys.shape[1], keys.shape[2]
@@ -119,7 +121,14 @@ def attention_with_mass(
                 weights = weights.to(probs.dtype)
             chunk_mass = torch.matmul(weights, probs).squeeze(2)
             mass = _accumulate(mass, chunk_mass, entries)
-            if r1 > rows - window:  # a block inside the window (e.g. a decode step) reuses its sum
+            if window_max and r1 > rows - window:  # the window's largest probability of each entry
+                peak = probs.view(batch, kv_heads, n, group, seen)[:, :, max(0, rows - window - r0) :]
+                if query_valid is not None:
+                    peak = peak * query_valid[:, None, max(r0, rows - window) : r1, None, None]
+                peak = peak.amax(dim=(2, 3))
+                peak = peak if seen == entries else torch.nn.functional.pad(peak, (0, entries - seen))
+                last = peak if last is None else torch.maximum(last, peak)
+            elif r1 > rows - window:  # a block inside the window (e.g. a decode step) reuses its sum
                 if r0 >= rows - window:  # a copy when later blocks will add to `mass` in place
                     in_window = chunk_mass if r1 == rows else chunk_mass.clone()
                 else:
@@ -194,8 +203,10 @@ def h2o_attention_forward(
         key_valid = None if bool(chunk.valid.all()) else chunk.valid  # no padding, no free slot: causal only
         output, mass, last = attention_with_mass(
             query, chunk_keys, chunk.values, chunk.pos, key_valid, first, scaling,
-            query_valid=is_real, sliding_window=sliding_window, window=policy.observation_window,
-            chunk_bytes=layer.cache.prefill_chunk_bytes, chunk_start=chunk.keys.shape[2] - rows, **options,
+            query_valid=is_real, sliding_window=sliding_window,
+            window=layer.cache.scoring_rows or policy.observation_window, chunk_bytes=layer.cache.prefill_chunk_bytes,
+            window_max=layer.cache.scoring_rows > 0 and layer.cache.scoring_statistic == "max",
+            chunk_start=chunk.keys.shape[2] - rows, **options,
         )  # fmt: skip
         layer.keep(chunk, mass, last)
         return output, None

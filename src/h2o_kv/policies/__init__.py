@@ -4,6 +4,7 @@ from .a2sf import A2SF
 from .adakv import AdaH2O, AdaSnapKV, AdaWindowH2O, HeadAdaptive
 from .base import EntryView, Policy
 from .full import Full
+from .global_budget import AcrossLayers, GlobalH2O, GlobalSnapKV, GlobalWindowH2O
 from .h2o import H2O, H2OMean
 from .keydiff import KeyDiff
 from .local import Local
@@ -30,6 +31,9 @@ POLICIES: dict[str, type[Policy]] = {
         AdaH2O,
         AdaSnapKV,
         AdaWindowH2O,
+        GlobalH2O,
+        GlobalSnapKV,
+        GlobalWindowH2O,
     )
 }
 
@@ -45,12 +49,16 @@ def make_policy(name: str, heavy: int, recent: int, **options) -> Policy:
 
 __all__ = [
     "A2SF",
+    "AcrossLayers",
     "POLICIES",
     "AdaH2O",
     "AdaSnapKV",
     "AdaWindowH2O",
     "EntryView",
     "Full",
+    "GlobalH2O",
+    "GlobalSnapKV",
+    "GlobalWindowH2O",
     "H2O",
     "H2OMean",
     "HeadAdaptive",

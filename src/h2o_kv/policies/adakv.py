@@ -15,6 +15,14 @@ from .snapkv import SnapKV
 from .window_h2o import WindowH2O
 
 
+def kept_index(kept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(index, counts)`` of a kept mask ``[batch, heads, n]``: each row's kept entries first, padded to the largest
+    row's count (at least 1), as :meth:`~h2o_kv.Policy.select` returns them."""
+    counts = kept.sum(-1)
+    index = kept.to(torch.uint8).argsort(dim=-1, descending=True, stable=True)[..., : max(1, int(counts.max()))]
+    return index, counts
+
+
 @dataclass
 class HeadAdaptive:
     """Mixin: a prompt chunk keeps the layer's best ``heads * capacity`` entries over all its KV heads together.
@@ -48,10 +56,7 @@ class HeadAdaptive:
             rank = rank.scatter(-1, rank.topk(floor, dim=-1).indices, INF)
         chosen = rank.flatten(1).topk(heads * keep, dim=-1).indices
         kept = torch.zeros((batch, heads * n), dtype=torch.bool, device=rank.device).scatter_(1, chosen, True)
-        kept = kept.view(batch, heads, n) & (rank > -INF)
-        counts = kept.sum(-1)
-        index = kept.to(torch.uint8).argsort(dim=-1, descending=True, stable=True)[..., : int(counts.max())]
-        return index, counts
+        return kept_index(kept.view(batch, heads, n) & (rank > -INF))
 
     def describe(self) -> str:
         return super().describe()[:-1] + f", alpha={self.alpha})"

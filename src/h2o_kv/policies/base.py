@@ -11,7 +11,8 @@ policy two things, through an :class:`EntryView`:
   (recent window, attention sinks).
 
 It then keeps the :attr:`Policy.capacity` best entries (after a prompt chunk; :meth:`Policy.select`, per KV head
-unless the policy is :attr:`~Policy.head_adaptive`) or frees the single worst one (after a decode step). Adding a
+unless the policy is :attr:`~Policy.head_adaptive`; once every layer has scored the prompt when it is
+:attr:`~Policy.across_layers`) or frees the single worst one (after a decode step). Adding a
 method is one small dataclass overriding these two hooks (the shape of kvpress' ``score()`` presses) and one line
 in the registry (``policies/__init__.py``). :meth:`Policy.decode_victim` is the composition of the two for a decode
 step over full slots; a policy may override it with a fused equivalent (H2O does, on the CPU).
@@ -57,6 +58,7 @@ class Policy:
     needs_keys: ClassVar[bool] = False  # the EntryView must carry the keys
     evicts_during_decode: ClassVar[bool] = True  # False: compress the prompt once, then let the cache grow
     head_adaptive: ClassVar[bool] = False  # True: select() shares the layer's budget across its KV heads
+    across_layers: ClassVar[bool] = False  # True: select_layers() shares the model's budget across all layers
 
     @property
     def capacity(self) -> float:

@@ -17,11 +17,13 @@ from dataclasses import asdict, dataclass, replace
 from ..budget import Budget
 
 ENV = "H2O_KV_VLLM"
-# the names registered in h2o_kv.policies.POLICIES (importing it imports torch; a test keeps the two equal)
+# the names registered in h2o_kv.policies.POLICIES but the across-layers ones (importing it imports torch)
 POLICY_NAMES = (
     "h2o", "local", "sink", "full", "tova", "snapkv", "random", "h2o_mean",
     "a2sf", "keydiff", "window_h2o", "ada_h2o", "ada_snapkv", "ada_window_h2o",
 )  # fmt: skip
+# one budget over all layers needs every layer's scores of a prompt before any layer evicts: transformers backend only
+ACROSS_LAYERS = ("global_h2o", "global_snapkv", "global_window_h2o")
 REQUEST_KEYS = {"h2o_policy": "policy", "h2o_heavy": "heavy", "h2o_recent": "recent", "h2o_budget": "budget"}
 
 
@@ -39,6 +41,11 @@ class ServeConfig:
     budget: float | None = None
 
     def __post_init__(self):
+        if self.policy in ACROSS_LAYERS:
+            raise ValueError(
+                f"policy {self.policy} shares one budget across all layers, which the serving backend does not "
+                f"support (the transformers backend does); use one of {', '.join(POLICY_NAMES)}"
+            )
         if self.policy not in POLICY_NAMES:
             raise ValueError(f"policy must be one of {', '.join(POLICY_NAMES)}; got {self.policy!r}")
         if self.policy != "full":

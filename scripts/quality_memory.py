@@ -1,0 +1,65 @@
+"""KV entries kept and KV memory allocated after compressing RULER prompts (docs/quality.md), per h2o-kv setting.
+
+    python scripts/quality_memory.py global_window_h2o+recmax h2o ada_window_h2o+recmax \\
+        --json results/quality/memory.json
+
+For the first item of each evaluation-split task (seed 0, 1k tokens, question after): the valid entries over all
+layers and KV heads, and the slots allocated, each as a fraction of a full cache of the compressed tokens (the
+model-wide mean; the records' ``kept`` is the largest head's count instead), and each layer's largest head (a
+fraction of the prompt). Head-adaptive and across-layers policies pad each layer's buffer to its largest head, so
+they allocate more than they keep.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from h2o_kv import records
+from h2o_kv.eval.ruler import TASKS, RulerJob, prompt_segments
+from h2o_kv.eval.runner import KVRunner
+from h2o_kv.models import load_model
+from h2o_kv.setting import KVSetting
+from h2o_kv.tables import mean
+
+SUFFIXES = {"+recmax": "max", "+rec": "sum"}
+
+
+def setting_of(label: str, budget: float) -> KVSetting:
+    """``name``, ``name+rec`` or ``name+recmax`` (KVSetting.label's suffixes) at ``budget``."""
+    for suffix, statistic in SUFFIXES.items():
+        if label.endswith(suffix):
+            return KVSetting.of(label[: -len(suffix)], budget=budget, reconstruct=statistic)
+    return KVSetting.of(label, budget=budget)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("settings", nargs="+")
+    parser.add_argument("--budget", type=float, default=0.2)
+    parser.add_argument("--json", required=True)
+    args = parser.parse_args()
+    model, tokenizer = load_model()
+    job = RulerJob.create(KVSetting("dynamic"), tokenizer, lengths="1024", tasks=",".join(TASKS[:5]), n=1, seed=0)
+    rows = {}
+    for label in args.settings:
+        runner = KVRunner(model, setting_of(label, args.budget), tokenizer=tokenizer)
+        kept, allocated, largest = [], [], []
+        for item in job.items():
+            compressed, _ = prompt_segments(tokenizer, item, job.protocol)
+            layers = runner.prefill(compressed).cache.layers
+            full = sum(layer.keys.shape[1] for layer in layers) * len(compressed)
+            kept.append(sum(int(layer.valid.sum()) for layer in layers) / full)
+            allocated.append(sum(layer.slots * layer.keys.shape[1] for layer in layers) / full)
+            largest.append([int(layer.entry_count().max()) / len(compressed) for layer in layers])
+        row = rows[label] = {
+            "kept": mean(kept).value,
+            "allocated": mean(allocated).value,
+            "largest_head_by_layer": [round(sum(column) / len(column), 3) for column in zip(*largest, strict=True)],
+            "items": len(kept),
+        }
+        print(f"{label} @ {100 * args.budget:g}%: kept {row['kept']:.3f}, allocated {row['allocated']:.3f}")
+    records.write(args.json, "kv-memory-after-prefill", {"budget": args.budget, "tasks": job.tasks, "settings": rows})
+
+
+if __name__ == "__main__":
+    main()
