@@ -242,3 +242,19 @@ def test_global_budget_refusals():
         ServeConfig(policy="global_h2o", budget=0.2)
     assert set(POLICY_NAMES) | set(ACROSS_LAYERS) == set(POLICIES)
     assert set(ACROSS_LAYERS) == {name for name, cls in POLICIES.items() if cls.across_layers}
+
+
+def test_across_layers_selection_with_an_unchanged_slot_count(tiny):
+    """A selection whose widest head keeps every candidate leaves the buffer size as it was; the kept flags must
+    still be those of the selection (regression: they were cleared before being gathered)."""
+    model, ids = tiny["llama"], random_prompt(12, seed=3)
+    cache = H2OCache(heavy=5, recent=5, policy="global_snapkv", window=2)  # no decode eviction: slots = width
+    with torch.no_grad():
+        model(ids, **cache_kwargs(cache), use_cache=True)
+    for layer in cache.layers:  # make one head of layer 0 outrank everything, so it keeps all 12 candidates
+        layer.scores[:, 0] = 0.0
+    cache.layers[0].scores[0, 0] = 1.0
+    cache.select_across_layers()
+    total = sum(int(layer.valid.sum()) for layer in cache.layers)
+    assert cache.layers[0].slots == 12 and int(cache.layers[0].valid[0, 0].sum()) == 12
+    assert total == len(cache.layers) * cache.layers[0].keys.shape[1] * 10

@@ -466,7 +466,8 @@ class H2OCache(Cache):
         keep = int(min(policy.capacity, counts))
         ranks = [policy.keep_score(layer.view()).masked_fill(~layer.valid, -math.inf) for layer in layers]
         for layer, (index, held) in zip(layers, policy.select_layers(ranks, keep), strict=True):
-            chunk = Candidates(layer.keys, layer.values, layer.pos, layer.valid, layer.scores)
+            # valid is cloned: store() clears the layer's flags before gathering when the slot count is unchanged
+            chunk = Candidates(layer.keys, layer.values, layer.pos, layer.valid.clone(), layer.scores)
             layer.store(chunk, index, held, keep, full_budget=keep == policy.capacity)
 
     @contextlib.contextmanager
