@@ -27,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from h2o_kv.eval.report import row_name
-from h2o_kv.tables import Estimate, average, markdown, mean, paired
+from h2o_kv.tables import Estimate, average, markdown, mean, over_groups, paired
 
 BASELINE = "dynamic"
 
@@ -42,10 +42,8 @@ def ruler(record: dict, base: dict) -> tuple[Estimate, Estimate]:
     key = lambda i: (i["task"], i["length"], i["index"])  # noqa: E731
     base_score = {key(i): i["score"] for i in base["items"]}
     by_task = {t: [i for i in record["items"] if i["task"] == t] for t in tasks}
-    value = average([mean([i["score"] for i in by_task[t]]) for t in tasks])
-    change = average(
-        [paired([i["score"] for i in by_task[t]], [base_score[key(i)] for i in by_task[t]]) for t in tasks]
-    )
+    value = over_groups([[i["score"] for i in by_task[t]] for t in tasks])
+    change = over_groups([[i["score"] - base_score[key(i)] for i in by_task[t]] for t in tasks], "paired difference")
     return value, change
 
 

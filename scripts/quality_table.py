@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 from h2o_kv.eval.report import row_name
-from h2o_kv.tables import average, markdown, mean, paired
+from h2o_kv.tables import markdown, mean, over_groups
 
 
 def main() -> None:
@@ -34,13 +34,13 @@ def main() -> None:
     rows = []
     for r in sorted(records, key=lambda r: (r["bounded"], row_name(r))):
         by_task = {t: [i for i in r["items"] if i["task"] == t] for t in tasks}
-        suite = average([mean([i["score"] for i in by_task[t]]) for t in tasks])
+        suite = over_groups([[i["score"] for i in by_task[t]] for t in tasks])
         delta = ""
         if base is not None and r is not base:
             base_score = {(i["task"], i["length"], i["index"]): i["score"] for i in base["items"]}
             key = lambda i: (i["task"], i["length"], i["index"])  # noqa: E731
-            diffs = [paired([i["score"] for i in by_task[t]], [base_score[key(i)] for i in by_task[t]]) for t in tasks]
-            delta = average(diffs).format(digits=2, sign=True, interval=True)
+            diffs = [[i["score"] - base_score[key(i)] for i in by_task[t]] for t in tasks]
+            delta = over_groups(diffs, "paired difference").format(digits=2, sign=True, interval=True)
         setting = row_name(r) if not r["bounded"] else f"{row_name(r)} @ {100 * r['budget']:g}%"
         rows.append([
             setting, *(f"{mean([i['score'] for i in by_task[t]]).value:.2f}" for t in tasks),

@@ -17,7 +17,7 @@ from helpers import needs_data
 from h2o_kv import Budget, records
 from h2o_kv.data import ENV, data_dir, data_path, strip_gutenberg
 from h2o_kv.setting import KVSetting
-from h2o_kv.tables import Estimate, average, markdown, mean, median, paired, percentile
+from h2o_kv.tables import Z95, Estimate, average, markdown, mean, median, over_groups, paired, percentile
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -155,3 +155,30 @@ def test_statistics():
     assert Estimate(-0.00001, 0.0082).format(100, 2, sign=True) == "+0.00 ± 0.82"  # no "-0.00"
     assert Estimate(0.5, 0.1).format(interval=True) == "0.50 [0.30, 0.70]"
     assert markdown(["a", "b"], [["x", "1"]]) == ["| a | b |", "|---|---:|", "| x | 1 |"]
+
+
+def test_intervals_are_bootstrap_within_the_items_range():
+    """Means of items get percentile-bootstrap intervals: a paired difference of 0/1 items never runs past -1 (the
+    normal interval of these five items, -0.80 ± 1.96 * 0.2, would reach -1.19), and the same items give the same
+    interval every time."""
+    worse = paired([0, 0, 0, 0, 0], [1, 1, 1, 1, 0])
+    low, high = worse.interval()
+    assert worse.value == pytest.approx(-0.8) and low == pytest.approx(-1.0) and high == pytest.approx(-0.4)
+    assert worse.value - Z95 * worse.se < -1.0  # what the normal interval would have said
+    assert paired([0, 0, 0, 0, 0], [1, 1, 1, 1, 0]).interval() == (low, high)  # reproducible
+    assert mean([1.0] * 7).interval() == (1.0, 1.0)  # no spread, no interval width
+    # the stratified bootstrap of a mean over groups: inside the groups' range, and tighter than either group alone
+    groups = [mean([0, 1, 1, 0, 1, 1, 0, 1]), mean([1, 1, 0, 1, 0, 0, 1, 1])]
+    combined = average(groups)
+    c_low, c_high = combined.interval()
+    assert 0 <= c_low < combined.value < c_high <= 1
+    assert c_high - c_low < min(high - low for low, high in (g.interval() for g in groups))
+    # a suite of equal-sized groups (2 items per task) resamples all items together, not two per task
+    suite = over_groups([[0, 1], [1, 1], [0, 0]])
+    assert suite.value == pytest.approx(0.5) and suite.n == 6 and suite.interval() == mean([0, 1, 1, 1, 0, 0]).interval()
+    uneven = over_groups([[0, 1, 1], [1]])
+    assert uneven.value == pytest.approx((2 / 3 + 1) / 2) and uneven.statistic == "average of 2 means"
+    with pytest.raises(ValueError, match="some group"):
+        over_groups([[1.0], []])
+    # an estimate known only by its standard error (e.g. lm-eval's acc_stderr) keeps the normal interval
+    assert Estimate(0.5, 0.1).interval() == pytest.approx((0.304, 0.696))
