@@ -3,7 +3,8 @@
 #   scripts/quality_ruler.sh dev    # the tuning split (seed 1): the candidates for the winner, 1k, 20%
 #   scripts/quality_ruler.sh eval   # the evaluation split (seed 0): baselines and the winner, 1k, 20%
 # Env: LENGTHS (default 1024), N (items per task and length, default 2), TASKS, BUDGET (default 0.2), OUT
-# (results/quality), POLICIES (a name, or <policy>+rec / <policy>+recmax: scored by a context-reconstruction pass,
+# (results/quality), PROTOCOL (question_after, kvpress' protocol, or question_in_prompt, how a server is used: the
+# question ends the prompt that is compressed), POLICIES (a name, or <policy>+rec / <policy>+recmax: scored by a context-reconstruction pass,
 # --reconstruct sum / max),
 # PEERS (kvpress presses, run after the policies; they need the peer environment of docs/eval-tasks.md:
 # H2O_KV=.venv-peer/bin/h2o-kv POLICIES= PEERS="snapkv kvzip" scripts/quality_ruler.sh eval).
@@ -15,6 +16,7 @@ out=${OUT:-results/quality}
 lengths=${LENGTHS:-1024}
 h2o_kv=${H2O_KV:-h2o-kv}
 budget_ratio=${BUDGET:-0.2}
+protocol=${PROTOCOL:-question_after}
 if [[ $lane == dev ]]; then
   seed=1 n=${N:-2} tasks=${TASKS:-niah_single,niah_multikey,niah_multivalue,niah_multiquery,vt}
   policies=${POLICIES-dynamic global_window_h2o+rec global_window_h2o+recmax global_snapkv+rec global_h2o+rec}
@@ -42,5 +44,5 @@ for cell in "${cells[@]}"; do
   echo "=== $(date -u +%T) $cell -> $json"
   # shellcheck disable=SC2086
   "$h2o_kv" eval ruler $cell "${budget[@]}" --lengths "$lengths" --tasks "$tasks" --n "$n" \
-    --seed "$seed" --protocol question_after --json "$json"
+    --seed "$seed" --protocol "$protocol" --json "$json"
 done
