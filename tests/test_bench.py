@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
 
 import pytest
 import torch
@@ -163,6 +165,7 @@ def test_grid_alternates_resumes_and_fits_a_memory_limit(tiny, tmp_path):
     assert report.plot(rows, tmp_path / "p.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 @PG19
 def test_worker_process_measures_one_configuration():
     executor = runner.Executor(runner.RunSettings(model="random:tiny", device="cpu", isolate="process"))
@@ -181,7 +184,10 @@ def test_profile_split_adds_up(tiny):
     assert 0 < out["bookkeeping_percent"] < 100 and "aten::" in out["profiler_table"]
 
 
-@pytest.mark.skipif(importlib.util.find_spec("kvpress") is None, reason="kvpress not installed (optional peer)")
+@pytest.mark.skipif(  # CI's kvpress job (H2O_KV_REQUIRE_PEERS=1) runs it, and fails where kvpress is missing
+    importlib.util.find_spec("kvpress") is None and os.environ.get("H2O_KV_REQUIRE_PEERS") != "1",
+    reason="the kvpress peer is optional: pip install 'h2o-kv[peers]'",
+)
 def test_kvpress_keeps_the_same_number_of_entries(tiny):
     r = harness.measure(tiny, config("kvpress:snapkv", context=100, batch=1, new_tokens=3))
     assert r["kv_tokens_per_layer_head_end"] == 2 * int(0.2 * 100 / 2) + 2  # kept + 2 decoded entries
@@ -207,3 +213,30 @@ def test_cli_rejects_bad_input_before_work(tmp_path):
     result = cli.invoke(app, ["run", "--model", "random:tiny"])  # never into the repository by default
     assert result.exit_code != 0 and "--out" in result.output
     assert not (tmp_path / "x.json").exists()
+
+
+@PG19
+@pytest.mark.parametrize("quanto", [False, True])
+def test_kv_memory_defaults_skip_a_missing_extra_before_work(tmp_path, monkeypatch, quanto):
+    """``bench kv-memory`` with its default settings: without optimum-quanto the QuantizedCache row is skipped in
+    one line naming the extra (not a traceback after the other rows); with it, every default row is measured.
+    (``random:tiny`` has head_dim 16, below the quantization group of 64: the default model, 128 tokens.)"""
+    from typer.testing import CliRunner
+
+    from h2o_kv.bench import kv_memory
+
+    if quanto and not kv_memory.quanto_available():
+        pytest.skip("optimum-quanto not installed: pip install 'h2o-kv[quant-peer]' (CI job 3 has it)")
+    monkeypatch.setattr(kv_memory, "quanto_available", lambda: quanto)
+    out = tmp_path / "kv.json"
+    result = CliRunner().invoke(app, ["kv-memory", "--tokens", "128", "--json", str(out)])  # the default model
+    assert result.exit_code == 0, result.output
+    rows = json.loads(out.read_text())["rows"]
+    assert all(r["kv_bytes"] > 0 for r in rows) and next(r for r in rows if r["setting"] == "h2o")["vs_full"] < 0.5
+    measured = [r["setting"] for r in rows]
+    if quanto:
+        assert measured == list(kv_memory.SETTINGS) and "skipping" not in result.output
+    else:
+        assert measured == [s for s in kv_memory.SETTINGS if s != "dynamic-kv4"]
+        skip = "skipping dynamic-kv4: it needs the quant-peer extra (pip install 'h2o-kv[quant-peer]')"
+        assert skip in result.output and result.output.index(skip) < result.output.index("dynamic N=")

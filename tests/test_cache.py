@@ -193,6 +193,20 @@ def test_without_h2o_attention_the_cache_refuses(tiny, tiny_models):
     assert tokens[0].tolist() == expected[0]
 
 
+def test_reset_after_an_across_layers_prompt(tiny):
+    """reset() drops a pending across-layers selection: the next prompt runs as in a fresh cache."""
+    model, ids = tiny["llama"], random_prompt(30)
+    cache = H2OCache(heavy=4, recent=4, policy="global_h2o")
+    with torch.no_grad():
+        model(random_prompt(20, seed=3), **cache_kwargs(cache))
+    assert cache.selection_pending
+    cache.reset()
+    assert not cache.selection_pending
+    again, again_logits = greedy_generate(model, ids, cache, 5)
+    fresh, fresh_logits = greedy_generate(model, ids, H2OCache(heavy=4, recent=4, policy="global_h2o"), 5)
+    assert torch.equal(again, fresh) and torch.equal(again_logits, fresh_logits)
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [

@@ -131,6 +131,7 @@ def test_chat_turn_text_follows_the_template(smol):
     assert session.turn_text("Next").startswith("<|im_end|>\n<|im_start|>user\n")
 
 
+@pytest.mark.slow
 def test_chat_session_is_bounded_over_many_turns(smol):
     model, tok = smol
     session = ChatSession(model, tok, heavy=16, recent=16, max_new_tokens=6)

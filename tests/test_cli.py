@@ -106,6 +106,9 @@ def test_chat_help_is_a_plain_command():
         (["hi", "--heavy", "4", "--recent", "4", "--model", "/no/such/model"], "^error: --model '/no/such/model' is "),
         (["hi", "--heavy", "4", "--recent", "4", "--device", "tpu"], "--device 'tpu'; expected one of cpu, cuda"),
         (["hi", "--bogus"], "No such option: --bogus"),
+        (["hi", "--heavy", "4", "--recent", "4", "--temperature", "0"], r"--temperature must be > 0 .*; got 0.0"),
+        (["hi", "--heavy", "4", "--recent", "4", "--top-p", "1.5"], r"--top-p must be in \(0, 1\]; got 1.5"),
+        (["hi", "--heavy", "4", "--recent", "4", "--seed", "1"], "--seed .* give --temperature or --top-p"),
     ],
 )
 def test_generate_rejects_bad_input_in_one_line(args, pattern):
@@ -242,3 +245,16 @@ def test_long_file_cut_by_max_prompt_tokens_prints_no_tokenizer_warning(default_
 def test_prompt_past_the_context_is_one_line(default_model):
     result = invoke("generate", "hi", "--heavy", "4", "--recent", "4", "--max-new-tokens", "9000")
     assert "exceeds the model's context of 8192 tokens" in one_line_error(result)
+
+
+def test_generate_samples_reproducibly_with_a_seed(default_model):
+    args = ["Name a colour.", "--chat", "--heavy", "8", "--recent", "8", "--max-new-tokens", "12"]
+
+    def reply(*more):  # the text, without the summary line (it holds timings)
+        result = invoke("generate", *args, *more)
+        assert result.exit_code == 0, result.output
+        return result.stdout.rsplit("\n[", 1)[0]
+
+    sampled = reply("--temperature", "1.5", "--top-p", "0.9", "--seed", "7")
+    assert sampled == reply("--temperature", "1.5", "--top-p", "0.9", "--seed", "7")  # the seed fixes the draw
+    assert sampled != reply() and sampled.strip()  # not the greedy reply

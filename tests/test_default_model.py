@@ -21,6 +21,7 @@ def chat_ids(default_model):
     return tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
 
 
+@pytest.mark.slow
 def test_default_model_matches_reference(default_model, chat_ids):
     model, _ = default_model
     expected, expected_logits = reference_generate(model, chat_ids, 24, heavy=8, recent=8)
@@ -32,6 +33,7 @@ def test_default_model_matches_reference(default_model, chat_ids):
     assert stats["kv_tokens"] == 16 and stats["layers"] == 30 and stats["evicted_tokens"] > 0
 
 
+@pytest.mark.slow
 def test_default_model_full_budget_equals_plain_generate(default_model, chat_ids):
     model, tokenizer = default_model
     plain = model.generate(

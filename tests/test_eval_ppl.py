@@ -189,6 +189,7 @@ def test_cli_bad_input_fails_before_loading(tmp_path, monkeypatch):
     assert result.exit_code == 2 and "full keeps every entry" in result.output and "Traceback" not in result.output
 
 
+@pytest.mark.slow
 @needs_data(BOOK)
 def test_cli_writes_result_json(tmp_path, default_model):
     out = tmp_path / "r.json"

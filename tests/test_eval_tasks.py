@@ -152,6 +152,7 @@ def test_paper_protocol_needs_an_h2o_kv_cache():
         TasksJob.create("rte", KVSetting.of("kvpress:tova", budget=0.2), paper_protocol=True)
 
 
+@pytest.mark.slow
 @needs_data(*TASK_DATA, "openbookqa/test.tsv", "mathqa/math_qa.jsonl", "hellaswag/hellaswag_val_subset1000.jsonl")
 def test_local_task_yamls_read_the_shared_data():
     job = TasksJob.create(",".join(DEFAULT_TASKS), DYNAMIC)
@@ -206,6 +207,7 @@ def test_bad_task_options_fail_before_any_model_work(tmp_path, monkeypatch):
         TasksJob.create("rte", DYNAMIC)
 
 
+@pytest.mark.slow
 @needs_data(*TASK_DATA)
 def test_lm_eval_run_writes_result_and_resumes(default_model, tmp_path, monkeypatch):
     model, tokenizer = default_model
@@ -259,6 +261,7 @@ def test_user_task_yaml_via_include_path_and_cli(default_model, tmp_path):
     assert bad.exit_code == 2 and "budget must be a ratio in (0, 1]" in bad.output and "Traceback" not in bad.output
 
 
+@pytest.mark.slow
 @needs_data(*TASK_DATA)
 def test_sweep_kind_tasks(tmp_path):
     from h2o_kv.eval.kinds import KINDS

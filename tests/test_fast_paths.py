@@ -3,6 +3,9 @@
 * ``attention_with_mass(key_valid=None)`` (no padding, no free slot: only the causal triangle is masked) equals
   the general mask built from positions and validity; cache-sized score blocks (written into one reused buffer)
   equal one big block.
+* The fused H2O ranking of ``kernels/decode_step.cpp`` (``h2o_victim``) is the Python specification
+  (:class:`h2o_kv.policies.H2O`'s hooks composed by :meth:`Policy.decode_victim`), ties and all-recent rows included;
+  ``tests/vllm/test_paged_decode.py`` checks ``kernels/paged_decode.cpp`` against the same composition.
 * A decode step in the bounded steady state (``H2OLayer._free`` / ``H2OLayer.full``: the free slot is the last
   victim, no counts, no mask, the victim's validity flag cleared lazily) produces what the general step (free-slot
   search, counts, masking) produces.
@@ -14,10 +17,11 @@ import pytest
 import torch
 from helpers import greedy_generate, random_prompt
 
-from h2o_kv import H2OCache, load_model
+from h2o_kv import H2OCache, kernels, load_model
 from h2o_kv.hf import scoring
 from h2o_kv.hf.cache import H2OLayer
 from h2o_kv.hf.compat import cache_kwargs
+from h2o_kv.policies import H2O, EntryView, Policy
 
 
 def _inputs(kept: int, rows: int, batch: int = 2, q_heads: int = 6, kv_heads: int = 2, dim: int = 16, seed: int = 0):
@@ -66,6 +70,26 @@ def test_padded_rows_add_no_mass_in_small_blocks():
     )
     torch.testing.assert_close(whole[0][0, 7:], alone[0][0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(whole[1][0, :, 7:], alone[1][0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_fused_h2o_victim_is_the_python_specification(seed):
+    """The C++ kernel against H2O's hooks (not the kernel's own restatement): same scores, same victims."""
+    ops = kernels.cpu_ops(torch.zeros(1))
+    if ops is None:
+        pytest.skip("the fused CPU kernels are unavailable (no compiler, or H2O_KV_FUSED=0)")
+    g = torch.Generator().manual_seed(seed)
+    batch, heads, slots, recent = 2, 3, 24, 6
+    scores = torch.randint(0, 3, (batch, heads, slots), generator=g).float()  # many ties
+    mass = torch.randint(0, 3, (batch, heads, slots), generator=g).float() / 4
+    pos = torch.stack([torch.randperm(40, generator=g)[:slots] for _ in range(batch * heads)]).view(batch, heads, -1)
+    pos[1, 2] = torch.arange(40 - slots, 40)  # a row whose entries are all in the recent window
+    seen = 40 - slots + recent if seed % 2 else 40  # seed 1, 3: every entry recent in that row only
+    policy = H2O(heavy=slots - recent - 1, recent=recent)
+    view = EntryView(pos, torch.ones_like(pos, dtype=torch.bool), scores.clone(), seen, torch.zeros(batch).long())
+    want_scores, want = Policy.decode_victim(policy, view, mass, mass)  # the composition of the hooks
+    got = ops.h2o_victim(scores, mass, pos, seen - recent)
+    assert torch.equal(scores, want_scores) and torch.equal(got, want)
 
 
 def _without_fast_path(monkeypatch):

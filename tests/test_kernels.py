@@ -128,3 +128,36 @@ def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, capsys):
     kernels._clear_stale_lock(lock)
     assert not lock.exists() and "stale kernel build lock" in capsys.readouterr().err
     kernels._clear_stale_lock(lock)  # none: nothing to do
+
+
+def test_each_build_key_builds_once_into_its_own_directory(tmp_path, monkeypatch, capsys):
+    """Another compiler or torch install is another directory (each builds once); the same key reuses its build."""
+    import torch.utils.cpp_extension
+
+    source = kernels._PAGED_SOURCE
+    monkeypatch.setenv("H2O_KV_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("CXX", raising=False)
+    built = []
+
+    def compile_nothing(name, sources, build_directory, **flags):  # what a finished build leaves: the module file
+        built.append(build_directory)
+        (tmp_path / build_directory / f"{name}.so").touch()
+        return name
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", compile_nothing)
+    key = kernels.build_key(source)
+    assert key["torch"] == f"{torch.__version__} at {os.path.dirname(torch.__file__)}"
+    assert "-march=native" in key["flags"] and key["compiler"].startswith("c++: ") and key["cpu"]
+    assert kernels.build_key(source) == key and kernels.build_dir(source) == kernels.build_dir(source, key)
+    assert kernels.build_dir(source, dict(key, torch="2.13.0 at /another/venv/torch")) != kernels.build_dir(source)
+
+    first = kernels._build(source)
+    err = capsys.readouterr().err
+    assert "building the paged_decode kernel (no earlier build of it in this cache; about 110 s" in err
+    assert kernels._build(source) == first and capsys.readouterr().err == ""  # same key: reused, silently
+    monkeypatch.setenv("CXX", "g++-0-none")  # another environment's compiler (it need not run: load is faked)
+    assert kernels.build_key(source)["compiler"] == "g++-0-none: not found"
+    second = kernels._build(source)
+    err = capsys.readouterr().err
+    assert second != first and f"new build key: compiler changed since {kernels.build_dir(source, key).name}" in err
+    assert len(set(built)) == 2 and "built the paged_decode kernel in" in err

@@ -232,7 +232,8 @@ def test_global_budget_keeps_the_model_total_and_the_best_entries(tiny, policy, 
 
 
 def test_global_budget_refusals():
-    from h2o_kv.vllm.config import ACROSS_LAYERS, POLICY_NAMES, ServeConfig
+    from h2o_kv.registry import ACROSS_LAYERS, POLICY_NAMES
+    from h2o_kv.vllm.config import ServeConfig
 
     with pytest.raises(ValueError, match="kv_bits is not supported with the across-layers policy 'global_h2o'"):
         H2OCache(heavy=2, recent=2, policy="global_h2o", kv_bits=4)

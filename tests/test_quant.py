@@ -277,7 +277,8 @@ def test_setting_carries_kv_bits():
 def test_quantized_peer_scores_choices_as_one_at_a_time(default_model):
     """transformers' QuantizedCache (the peer) shares one quantized context among the answer choices of a task
     (a beam reorder of row 0): each choice scores as if it were run alone, and the quantization does change them."""
-    pytest.importorskip("optimum.quanto")
+    extra = "the QuantizedCache peer needs the quant-peer extra: pip install 'h2o-kv[quant-peer]'"
+    pytest.importorskip("optimum.quanto", reason=extra)
     from h2o_kv.eval.runner import KVRunner, score_continuations
     from h2o_kv.setting import KVSetting
 

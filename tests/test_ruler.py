@@ -40,6 +40,7 @@ def test_score_by_hand():
     assert metrics["score"] == pytest.approx(0.75) and metrics["score_a"] == 0.5 and metrics["score_1"] == 0.75
 
 
+@pytest.mark.slow
 @haystack
 def test_generation_is_deterministic_and_seeded(tokenizer):
     items = [RulerJob.create(DYNAMIC, tokenizer, lengths="512", n=2, seed=seed).items() for seed in (0, 0, 1)]

@@ -59,6 +59,7 @@ def handle(default_model):
     return handle
 
 
+@pytest.mark.slow
 @needs_data(BOOK)
 def test_ppl_sweep_resumes_and_reports(tmp_path, handle):
     out = tmp_path / "sweep"

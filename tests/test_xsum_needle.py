@@ -64,6 +64,7 @@ def test_rouge():
     assert 0 < scores["rouge2"] < scores["rouge1"] < 1
 
 
+@pytest.mark.slow
 def test_xsum_run_and_resume(default_model, tmp_path, monkeypatch):
     model, tokenizer = default_model
     rows = [
@@ -123,6 +124,7 @@ def test_needle_grid_checks_and_placement(default_model, tmp_path):
         assert abs(len(tokenizer.encode(middle, add_special_tokens=False)) - length) <= 4
 
 
+@pytest.mark.slow
 @needs_data(HAYSTACK_DIR)
 def test_needle_run_dynamic_finds_it_and_local_loses_it(default_model, tmp_path):
     model, tokenizer = default_model

@@ -22,23 +22,16 @@ import typer
 from typer.core import TyperGroup
 
 from .budget import Budget
+from .registry import BOUNDED_POLICIES, POLICY_NAMES, SERVER_POLICIES, PolicySpec, options_help, parse_policy
 
 try:  # typer vendors click since 0.2x
     from typer._click import exceptions as click_errors
 except ImportError:  # pragma: no cover - older typer
     from click import exceptions as click_errors
 
-# the names registered in h2o_kv.policies.POLICIES (importing it imports torch; a test keeps the two equal)
-POLICY_NAMES = (
-    "h2o", "local", "sink", "full", "tova", "snapkv", "random", "h2o_mean",
-    "a2sf", "keydiff", "window_h2o", "ada_h2o", "ada_snapkv", "ada_window_h2o", "global_h2o", "global_snapkv",
-    "global_window_h2o",
-)  # fmt: skip
 KV_BITS = (4, 8)  # h2o_kv.hf.quant.KV_BITS (importing it imports torch; a test keeps the two equal)
 KV_BITS_HELP = "Store the kept KV entries quantized: 8 or 4 bits per number, group 64 (H2OCache(kv_bits=...))."
 DTYPE_NAMES = ("float32", "float16", "bfloat16", "fp32", "fp16", "bf16")  # h2o_kv.models' dtypes (tested)
-PolicyName = Literal[POLICY_NAMES]
-BoundedPolicyName = Literal[tuple(name for name in POLICY_NAMES if name != "full")]
 DtypeName = Literal[DTYPE_NAMES]
 
 # name -> (module holding its typer `app`, the help line `h2o-kv --help` shows without importing the module)
@@ -53,6 +46,26 @@ def lazy_group(name: str):
     command = typer.main.get_command(importlib.import_module(LAZY_GROUPS[name][0]).app)
     command.name = name
     return command
+
+
+# typer's checks of an option's type and range (pydantic's wording) in the words of the command's own errors
+_PLAIN = (
+    (r"Invalid value for '(--[\w-]+)'(?: / '-\w')?: (?=Input should|Value error)", r"\1 "),
+    (r"Value error, ", ""),
+    (r"Input should be a valid integer, unable to parse string as an integer", "must be an integer"),
+    (r"Input should be a valid number, unable to parse string as a number", "must be a number"),
+    (r"Input should be (greater|less) than or equal to", lambda m: "must be " + "><"[m[1] == "less"] + "="),
+    (r"Input should be (greater|less) than", lambda m: "must be " + "><"[m[1] == "less"]),
+    (r"Input should be", "must be"),
+)
+
+
+def plain(message: str) -> str:
+    """A click/typer error message as one line in the house style: ``--heavy must be >= 0``."""
+    message = " ".join(str(message).split())
+    for pattern, replacement in _PLAIN:
+        message = re.sub(pattern, replacement, message)
+    return message
 
 
 class _Group(TyperGroup):
@@ -82,7 +95,7 @@ class _Group(TyperGroup):
             err.show()
             sys.exit(err.exit_code)
         except click_errors.ClickException as err:
-            typer.echo(f"error: {' '.join(err.format_message().split())}", err=True)
+            typer.echo(f"error: {plain(err.format_message())}", err=True)
             sys.exit(err.exit_code)
         except typer.Abort:
             typer.echo("Aborted.", err=True)
@@ -90,11 +103,13 @@ class _Group(TyperGroup):
         sys.exit(status or 0)
 
 
+HELP_STYLE = {"rich_markup_mode": None}  # click's plain help: wrapped at word boundaries, no truncated table cells
 app = typer.Typer(
     cls=_Group,
     help="H2O (Heavy-Hitter Oracle) KV-cache eviction for Hugging Face models.",
     no_args_is_help=True,
     pretty_exceptions_show_locals=False,
+    **HELP_STYLE,
 )
 
 
@@ -114,6 +129,22 @@ def as_options(message: str, *names: str, assigned: bool = False) -> str:
     ``assigned``: only in ``heavy=4``, which becomes ``--heavy 4``)."""
     pattern = rf"\b({'|'.join(names)})" + ("=" if assigned else r"\b")
     return re.sub(pattern, lambda m: f"--{m[1].replace('_', '-')}" + (" " if assigned else ""), message)
+
+
+def policy_spec(text: str, choices: tuple[str, ...] = POLICY_NAMES) -> PolicySpec:
+    """``--policy name[:option=value,...]`` parsed by :func:`h2o_kv.registry.parse_policy`, errors as input errors."""
+    try:
+        return parse_policy(text, choices)
+    except ValueError as err:
+        raise fail(as_options(str(err), "policy")) from None
+
+
+def policy_help(lead: str, choices: tuple[str, ...]) -> str:
+    """The ``--policy`` help of a command taking ``choices``: the names, then the options with their defaults."""
+    return f"{lead}: {', '.join(choices)}. {options_help(choices)}"
+
+
+BUDGET_METAVAR = "RATIO"  # every command's --budget reads the same; its range is checked by Budget
 
 
 def check_kv_bits(kv_bits: int | None) -> None:
@@ -217,6 +248,7 @@ def generate(
     ),
     budget: float = typer.Option(
         None,
+        metavar=BUDGET_METAVAR,
         help="KV budget as a ratio in (0, 1] of the prompt length L, as in the H2O paper (20% = 0.2): heavy = recent "
         "= floor(B*L/2), at least 1 each, fixed for the whole generation. A chat prompt is a few dozen tokens, so a "
         "ratio of it keeps only a handful of entries: give --heavy/--recent for short prompts.",
@@ -224,10 +256,10 @@ def generate(
     ),
     heavy: int = typer.Option(None, min=0, help="Heavy-hitter entries kept per layer and KV head (with --recent)."),
     recent: int = typer.Option(None, min=0, help="Most recent entries kept per layer and KV head (with --heavy)."),
-    policy: PolicyName = typer.Option(
+    policy: str = typer.Option(
         "h2o",
         metavar="POLICY",
-        help=f"Eviction policy: {', '.join(POLICY_NAMES)}; full keeps every entry and takes no budget.",
+        help=policy_help("Eviction policy (full keeps every entry and takes no budget)", POLICY_NAMES),
     ),
     kv_bits: int = typer.Option(None, "--kv-bits", help=KV_BITS_HELP, show_default="full precision"),
     model: str = typer.Option(None, help=MODEL_HELP, show_default="SmolLM2-135M-Instruct"),
@@ -237,11 +269,33 @@ def generate(
     device: str = typer.Option(None, help="cpu, cuda, cuda:N or mps.", show_default="cuda when available, else cpu"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the summary line."),
     json_path: Path = typer.Option(
-        None, "--json", dir_okay=False, help="Also write the summary as a result record (commit, versions, command)."
+        None,
+        "--json",
+        dir_okay=False,
+        help="Also write the summary as a result record (commit, versions, command).",
+        show_default="no file",
     ),
+    temperature: float = typer.Option(None, help="Sample at this temperature (> 0).", show_default="greedy"),
+    top_p: float = typer.Option(
+        None,
+        "--top-p",
+        help="Sample from the smallest set of tokens of this total probability, in (0, 1] (nucleus sampling).",
+        show_default="greedy",
+    ),
+    seed: int = typer.Option(None, min=0, help="Random seed of the sampling (with --temperature/--top-p)."),
 ):
     """Generate text with a bounded KV cache and print one summary line (the help text is above)."""
-    rule = check_budget(policy, budget, heavy, recent)
+    if temperature is not None and not temperature > 0:
+        raise fail(f"--temperature must be > 0 (leave it out for greedy decoding); got {temperature}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise fail(f"--top-p must be in (0, 1]; got {top_p}")
+    sampling = {"do_sample": False}
+    if temperature is not None or top_p is not None:
+        sampling = {"do_sample": True, "temperature": temperature or 1.0, "top_p": top_p or 1.0, "top_k": None}
+    elif seed is not None:
+        raise fail("--seed sets the sampling's seed: give --temperature or --top-p with it")
+    spec = policy_spec(policy)
+    rule = check_budget(spec.name, budget, heavy, recent)
     check_kv_bits(kv_bits)
     if file is not None:
         if prompt is not None:
@@ -278,12 +332,14 @@ def generate(
             )
         if rule is not None:
             budget_notes(note, rule, length, max_new_tokens)
-        cache = H2OCache(heavy=heavy, recent=recent, budget=budget, policy=policy, kv_bits=kv_bits)
+        cache = H2OCache(heavy=heavy, recent=recent, budget=budget, policy=spec.name, kv_bits=kv_bits, **spec.options)
         inputs = {key: value.to(lm.device) for key, value in inputs.items()}
         streamer = _TimingStreamer(tokenizer, echo=not quiet)
+        if seed is not None:
+            torch.manual_seed(seed)
         start = time.perf_counter()
         with torch.no_grad():
-            output = lm.generate(**inputs, **cache_kwargs(cache), max_new_tokens=max_new_tokens, do_sample=False,
+            output = lm.generate(**inputs, **cache_kwargs(cache), max_new_tokens=max_new_tokens, **sampling,
                                  streamer=streamer, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
     end = time.perf_counter()
     generated = output.shape[1] - length
@@ -292,7 +348,7 @@ def generate(
     decode_rate = (generated - 1) / (end - first) if generated > 1 and end > first else float("nan")
     precision = "" if kv_bits is None else f" {kv_bits}-bit KV"
     summary = (
-        f"[{stats['policy']}{precision}] KV entries {stats['kv_tokens']} kept / {stats['seen_tokens']} seen per layer "
+        f"[{spec.label}{precision}] KV entries {stats['kv_tokens']} kept / {stats['seen_tokens']} seen per layer "
         f"and head ({stats['evicted_tokens']} evicted) | KV memory {_mib(stats['kv_bytes'])} vs "
         f"{_mib(stats['full_kv_bytes'])} full ({stats['kv_ratio']:.2f}x) | prompt {length} tokens in "
         f"{first - start:.2f} s | {generated} new tokens, {generated / (end - start):.1f} tok/s end-to-end, "
@@ -303,11 +359,12 @@ def generate(
         from . import records
 
         fields = {
-            "policy": policy, "budget": budget, "kv_bits": kv_bits, "model": model or "SmolLM2-135M-Instruct",
+            "policy": spec.label, "budget": budget, "kv_bits": kv_bits, "model": model or "SmolLM2-135M-Instruct",
             "prompt_tokens": length, "new_tokens": generated, "prompt_seconds": first - start,
             "seconds": end - start, "end_to_end_tok_s": generated / (end - start),
             "decode_tok_s": None if math.isnan(decode_rate) else decode_rate,
             "cache": stats, "text": tokenizer.decode(output[0, length:], skip_special_tokens=True),
+            "sampling": {**sampling, "seed": seed},
         }  # fmt: skip
         records.write(json_path, "generate", fields, device=lm.device)
 
@@ -339,7 +396,7 @@ def budget_notes(note, rule: Budget, length: int, max_new_tokens: int) -> None:
 def chat(
     heavy: int = typer.Option(256, min=0, help="Heavy-hitter entries kept per layer and KV head."),
     recent: int = typer.Option(256, min=0, help="Most recent entries kept per layer and KV head."),
-    policy: BoundedPolicyName = typer.Option("h2o", help="Eviction policy (a bounded one)."),
+    policy: str = typer.Option("h2o", metavar="POLICY", help=policy_help("Eviction policy", BOUNDED_POLICIES)),
     kv_bits: int = typer.Option(None, "--kv-bits", help=KV_BITS_HELP, show_default="full precision"),
     streaming: bool = typer.Option(
         True, "--streaming/--no-streaming", help="Re-rotate keys inside the cache (never exceed the model's window)."
@@ -353,7 +410,8 @@ def chat(
     device: str = typer.Option(None, help="cpu, cuda, cuda:N or mps.", show_default="cuda when available, else cpu"),
 ):
     """Chat in the terminal (the help text is above)."""
-    check_budget(policy, None, heavy, recent)
+    spec = policy_spec(policy, BOUNDED_POLICIES)
+    check_budget(spec.name, None, heavy, recent)
     check_kv_bits(kv_bits)
     if not 0 < top_p <= 1:
         raise fail(f"--top-p must be in (0, 1], got {top_p}")
@@ -363,9 +421,9 @@ def chat(
         loaded, tokenizer = load(model, dtype, device)
         try:
             session = ChatSession(
-                loaded, tokenizer, heavy=heavy, recent=recent, policy=policy, streaming=streaming, system=system,
+                loaded, tokenizer, heavy=heavy, recent=recent, policy=spec.name, streaming=streaming, system=system,
                 max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                **({} if kv_bits is None else {"kv_bits": kv_bits}),
+                **({} if kv_bits is None else {"kv_bits": kv_bits}), **spec.options,
             )  # fmt: skip
         except ValueError as err:
             raise fail(str(err)) from None
@@ -393,13 +451,24 @@ SERVE_EXAMPLES = """Examples:
 def serve(
     ctx: typer.Context,
     model: str = typer.Option(None, help="Local HF model directory.", show_default="SmolLM2-135M-Instruct"),
-    policy: PolicyName = typer.Option("h2o", help="Eviction policy; full keeps every entry (vLLM's own cache)."),
+    policy: str = typer.Option(
+        "h2o",
+        metavar="POLICY",
+        help=policy_help("Eviction policy (full keeps every entry: vLLM's own cache)", SERVER_POLICIES),
+    ),
     heavy: int = typer.Option(None, min=0, help="Heavy-hitter entries kept per request, layer and KV head."),
     recent: int = typer.Option(None, min=0, help="Most recent entries kept per request, layer and KV head."),
     budget: float = typer.Option(
         None,
+        metavar=BUDGET_METAVAR,
         help="KV budget as a ratio in (0, 1] of each request's prompt length (instead of --heavy/--recent).",
         show_default=False,
+    ),
+    min_entries: int = typer.Option(
+        None,
+        min=0,
+        help="With --budget: never keep fewer entries than this (a short request runs as the full cache); 0: none.",
+        show_default="256",
     ),
     kv_cache_gb: float = typer.Option(
         None, help="KV-cache space in GiB (fractions allowed).", show_default="vLLM's default"
@@ -411,20 +480,24 @@ def serve(
     dtype: str = typer.Option("float32", help="float32, bfloat16 or float16."),
 ):
     """Serve with vLLM (the help text is above)."""
-    check_budget(policy, budget, heavy, recent)
+    # a policy serve cannot run is refused by ServeConfig, saying why; a name that is no policy lists what serve runs
+    spec = policy_spec(policy, POLICY_NAMES if policy.partition(":")[0].strip() in POLICY_NAMES else SERVER_POLICIES)
+    check_budget(spec.name, budget, heavy, recent)
     from .vllm.config import ServeConfig
     from .vllm.serve import ServeOptions, exec_server
 
+    if spec.name == "full" and min_entries is not None:
+        raise fail("--policy full keeps every entry: give no --min-entries")
     try:
-        config = ServeConfig(policy, heavy=heavy, recent=recent, budget=budget)
+        config = ServeConfig(spec.label, heavy=heavy, recent=recent, budget=budget, min_entries=min_entries)
         options = ServeOptions(config, model=model, host=host, port=port, api_key=api_key, kv_cache_gb=kv_cache_gb,
                                max_model_len=max_model_len, dtype=dtype, extra=tuple(ctx.args))  # fmt: skip
     except ValueError as err:
-        raise fail(str(err)) from None
+        raise fail(as_options(str(err), "min_entries")) from None
     with Notes():
         try:
             exec_server(options)
-        except FileNotFoundError as err:  # the default model's package is missing
+        except (FileNotFoundError, ValueError) as err:  # the default model's package is missing; a refused model
             raise fail(str(err)) from None
 
 

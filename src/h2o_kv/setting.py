@@ -3,7 +3,9 @@
 A setting is one of, named distinctly in every result:
 
 * ``dynamic`` - transformers' stock ``DynamicCache``: the model as shipped.
-* an h2o-kv policy at a :class:`~h2o_kv.Budget` - ``H2OCache(policy=name)``. ``full`` is the same frame without
+* an h2o-kv policy at a :class:`~h2o_kv.Budget` - ``H2OCache(policy=name)``, named by its spec (``h2o``,
+  ``a2sf:decay=0.95``: :func:`h2o_kv.registry.parse_policy`; options at their defaults are not written, so a record
+  without options is the defaults). ``full`` is the same frame without
   eviction (h2o-kv's attention function and slot storage, nothing ever evicted): a *different* baseline from
   ``dynamic``, numerically equal to it up to float rounding but with h2o-kv's speed and memory.
 * ``kvpress:<press>`` - an NVIDIA kvpress press (:mod:`h2o_kv.peers`) compressing a ``DynamicCache`` once, after
@@ -27,32 +29,44 @@ from dataclasses import dataclass
 from typing import Any
 
 from .budget import Budget
-from .policies import POLICIES, make_policy
+from .registry import POLICY_NAMES, PolicySpec, parse_policy
 
 DYNAMIC = "dynamic"
 PRESS_PREFIX = "kvpress:"
 
 
-def setting_names() -> list[str]:
-    """Every valid setting name: ``dynamic``, the registered policies, ``kvpress:<press>``."""
+def setting_names(presses: bool = True) -> list[str]:
+    """Every setting name: ``dynamic``, the registered policies, ``kvpress:<press>`` (unless not ``presses``)."""
     from .peers import PRESSES
 
-    return [DYNAMIC, *POLICIES, *(PRESS_PREFIX + press for press in PRESSES)]
+    return [DYNAMIC, *POLICY_NAMES, *(PRESS_PREFIX + press for press in PRESSES if presses)]
 
 
-def check_name(name: str, option: str = "setting") -> str:
-    """Raise ``ValueError`` (naming ``option``) unless ``name`` is a setting name; returns it."""
-    if name not in setting_names():
-        raise ValueError(f"{option} must be one of {', '.join(setting_names())}; got {name!r}")
+def check_name(name: str, option: str = "setting", presses: bool = True) -> str:
+    """The canonical name of setting ``name`` (a policy spec with its options, :func:`~h2o_kv.registry.
+    parse_policy`); ``ValueError`` naming ``option`` otherwise (``presses=False``: presses are refused)."""
+    name = str(name).strip()
+    if name.partition(":")[0] in POLICY_NAMES:
+        try:
+            return parse_policy(name).label
+        except ValueError as err:  # "policy a2sf: decay must be ..." -> "--policy a2sf: decay must be ..."
+            raise ValueError(option + str(err).removeprefix("policy")) from None
+    if name not in setting_names(presses):
+        raise ValueError(f"{option} must be one of {', '.join(setting_names(presses))}; got {name!r}")
     return name
 
 
 def is_bounded(name: str) -> bool:
     """Whether setting ``name`` evicts anything: the policy object's :attr:`~h2o_kv.Policy.bounded`; a press always;
     ``dynamic`` never."""
-    if check_name(name).startswith(PRESS_PREFIX):
+    name = check_name(name)
+    if name.startswith(PRESS_PREFIX):
         return True
-    return name in POLICIES and make_policy(name, 0, 0).bounded
+    if name == DYNAMIC:
+        return False
+    from .policies import make_policy
+
+    return make_policy(name, 0, 0).bounded
 
 
 @dataclass(frozen=True)
@@ -65,7 +79,7 @@ class KVSetting:
     reconstruct: str | None = None  # the statistic of a reconstruction pass: "sum" or "max"
 
     def __post_init__(self):
-        check_name(self.name)
+        object.__setattr__(self, "name", check_name(self.name))  # the canonical spec: one behaviour, one name
         from .hf.cache import STATISTICS
 
         if self.reconstruct is not None and self.reconstruct not in STATISTICS:
@@ -103,7 +117,7 @@ class KVSetting:
     ) -> KVSetting:
         """The setting ``name`` with the budget of the user options (none for an unbounded setting); errors name
         ``option`` (e.g. ``--policy``) for a bad name."""
-        check_name(name, option)
+        name = check_name(name, option)
         given = budget is not None or heavy is not None or recent is not None
         return cls(name, Budget.of(budget, heavy, recent) if given else None, kv_bits, reconstruct)
 
@@ -115,7 +129,12 @@ class KVSetting:
     @property
     def uses_h2o_cache(self) -> bool:
         """Whether the setting runs an :class:`~h2o_kv.H2OCache` (else a stock ``DynamicCache``)."""
-        return self.name in POLICIES
+        return self.name.partition(":")[0] in POLICY_NAMES
+
+    @property
+    def spec(self) -> PolicySpec | None:
+        """The h2o-kv policy and its options (None for ``dynamic`` and presses)."""
+        return parse_policy(self.name) if self.uses_h2o_cache else None
 
     @property
     def bounded(self) -> bool:
@@ -139,18 +158,20 @@ class KVSetting:
             return DynamicCache() if config is None else DynamicCache(config=config)
         from .hf.cache import H2OCache
 
+        spec = self.spec
+        options = {**spec.options, **options}
         budget = self.budget
         if budget is None:
-            return H2OCache(policy=self.name, stepwise=stepwise, **options)
+            return H2OCache(policy=spec.name, stepwise=stepwise, **options)
         if budget.is_ratio and prompt_length is None:
-            return H2OCache(budget=budget.ratio, policy=self.name, stepwise=stepwise, **options)
+            return H2OCache(budget=budget.ratio, policy=spec.name, stepwise=stepwise, **options)
         heavy, recent = budget.split(prompt_length or 0)
-        return H2OCache(heavy, recent, policy=self.name, stepwise=stepwise, **options)
+        return H2OCache(heavy, recent, policy=spec.name, stepwise=stepwise, **options)
 
     def fields(self) -> dict[str, Any]:
-        """The result-record fields of this setting (``budget`` 1.0 and no counts when nothing is evicted;
-        ``kv_bits`` only when quantized and ``reconstruct`` only when set, so the records and item logs of earlier
-        runs are unchanged and still resume)."""
+        """The result-record fields of this setting (``policy``: the name with its non-default options, e.g.
+        ``a2sf:decay=0.95``; ``budget`` 1.0 and no counts when nothing is evicted; ``kv_bits`` only when quantized
+        and ``reconstruct`` only when set, so the records and item logs of earlier runs are unchanged and resume)."""
         budget = self.budget
         fields = {
             "policy": self.name,
@@ -174,7 +195,7 @@ class KVSetting:
     @property
     def label(self) -> str:
         """The setting's name with its KV precision and scoring, for file names and tables: ``h2o``, ``h2o-kv4``,
-        ``snapkv+rec`` (reconstruction scoring, sum), ``snapkv+recmax``."""
+        ``snapkv+rec`` (reconstruction scoring, sum), ``snapkv+recmax``, ``a2sf:decay=0.95``."""
         label = self.name if self.kv_bits is None else f"{self.name}-kv{self.kv_bits}"
         return label + {None: "", "sum": "+rec", "max": "+recmax"}[self.reconstruct]
 

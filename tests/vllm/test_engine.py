@@ -60,17 +60,31 @@ def test_h2o_equals_the_transformers_backend(llm, tiny, plain):
     "xargs, options",
     [
         ({"h2o_heavy": 8, "h2o_recent": 4}, dict(heavy=8, recent=4)),
-        ({"h2o_budget": 0.3}, dict(budget=0.3)),
+        ({"h2o_budget": 0.3, "h2o_min_entries": 0}, dict(budget=0.3)),  # the paper's rule (the server floors a ratio)
+        ({"h2o_budget": 0.3, "h2o_min_entries": 48}, dict(budget=0.3, min_entries=48)),  # 48 > 0.3 * 100: floored
         ({"h2o_policy": "local", "h2o_heavy": 0, "h2o_recent": 24}, dict(policy="local", heavy=0, recent=24)),
         ({"h2o_policy": "tova"}, dict(policy="tova", heavy=16, recent=16)),
+        ({"h2o_policy": "a2sf:decay=0.9"}, dict(policy="a2sf", heavy=16, recent=16, decay=0.9)),  # a policy's option
         ({"h2o_policy": "keydiff"}, dict(policy="keydiff", heavy=16, recent=16)),  # ranks by keys (read in Python)
-        ({"h2o_policy": "snapkv"}, dict(policy="snapkv", heavy=16, recent=16)),  # compresses the prompt, then grows
+        # compresses the prompt, then grows; capacity 48 > its window of 32, so the window's scores choose 16 entries
+        ({"h2o_policy": "snapkv", "h2o_heavy": 40, "h2o_recent": 8}, dict(policy="snapkv", heavy=40, recent=8)),
     ],
-    ids=["counts", "ratio", "local", "tova", "keydiff", "snapkv"],
+    ids=["counts", "ratio", "floor", "local", "tova", "a2sf", "keydiff", "snapkv"],
 )
 def test_per_request_settings_equal_the_transformers_backend(llm, tiny, xargs, options):
     prompts = PROMPTS[2:6]
     assert generate(llm, prompts, NEW, xargs) == [reference(tiny[1], p, NEW, **options) for p in prompts]
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "window_h2o"])
+def test_observation_window_spans_the_prompt_chunks(llm, tiny, policy):
+    """The observation window is the prompt's last 32 queries however the prompt is chunked: prompts of 140 and 150
+    tokens are prefilled as 128 + 12 and 128 + 22 (128 tokens per step), so most of the window lies in the first
+    chunk; 200 (128 + 72) has it in the last. A capacity of 48 > 32 keeps entries by the window's scores."""
+    xargs = {"h2o_policy": policy, "h2o_heavy": 24, "h2o_recent": 24}
+    prompts = random_prompts((140, 150, 200), seed=3)
+    got = [generate(llm, [prompt], NEW, xargs)[0] for prompt in prompts]  # one at a time: the chunks above
+    assert got == [reference(tiny[1], prompt, NEW, policy=policy, heavy=24, recent=24) for prompt in prompts]
 
 
 def test_mixed_batch_of_settings(llm, tiny, plain):

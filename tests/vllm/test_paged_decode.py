@@ -25,6 +25,11 @@ from h2o_kv.vllm.attention import (
     rank,
 )
 
+# every test runs the compiled kernel: without a C++ compiler they skip (the backend then runs decode_torch)
+pytestmark = pytest.mark.skipif(
+    kernels.paged_ops() is None, reason="no C++ compiler: the kernel falls back to decode_torch"
+)
+
 BLOCK, KV_HEADS, GROUP, DIM, BLOCKS = 16, 2, 3, 32, 40
 
 
@@ -86,7 +91,6 @@ def _step(policy_name, slots, full, fused: bool):
     return states
 
 
-@pytest.mark.skipif(kernels.paged_ops() is None, reason="no C++ compiler: the kernel falls back to decode_torch")
 @pytest.mark.parametrize("policy_name, fused", [("h2o", True), ("h2o", False), ("tova", False), ("keydiff", False)])
 @pytest.mark.parametrize(
     "slots, full", [([5, 16, 17, 40], [True, True, False, True]), ([33], [False]), ([1, 48], [False, True])]

@@ -49,6 +49,14 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
         (["--policy", "full", "--model", "/no/such/dir"], "--model"),
         (["--policy", "full", "--", "--port", "9"], "--port"),
         (["--policy", "full", "--no-such-option"], "--no-such-option"),
+        (["--policy", "h2o", "--budget", "0.2", "--dtype", "bfloat16"], "--dtype bfloat16"),  # fp32 cache only
+        (["--policy", "ada_h2o", "--budget", "0.2"], "ada_h2o"),  # per-head budgets: not in the server
+        (["--policy", "global_h2o", "--budget", "0.2"], "global_h2o"),
+        (["--policy", "h2o", "--heavy", "8", "--recent", "8", "--min-entries", "64"], "--min-entries"),
+        (["--policy", "h2o", "--budget", "0.2", "--min-entries", "-1"], "--min-entries"),
+        (["--policy", "full", "--min-entries", "64"], "--min-entries"),
+        (["--policy", "h2o", "--budget", "0.2", "--", "--kv-transfer-config", "{}"], "--kv-transfer-config"),
+        (["--policy", "h2o", "--budget", "0.2", "--", "--kv-cache-dtype=fp8"], "--kv-cache-dtype"),
     ],
 )
 def test_a_bad_option_is_one_line_naming_it_before_vllm_starts(args, names):
@@ -59,11 +67,23 @@ def test_a_bad_option_is_one_line_naming_it_before_vllm_starts(args, names):
     assert names in done.stderr, done.stderr
 
 
+@needs_vllm
+def test_a_model_the_backend_cannot_run_is_one_line_before_vllm_starts(tmp_path):
+    """A sliding-window model (its config is enough: the check reads it before vLLM starts)."""
+    from transformers import MistralConfig
+
+    MistralConfig(num_hidden_layers=2, sliding_window=64).save_pretrained(tmp_path)
+    done = subprocess.run([sys.executable, "-m", "h2o_kv.cli", "serve", "--model", str(tmp_path), "--policy", "h2o",
+                           "--budget", "0.2"], capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith("error: --model ") and "sliding-window attention" in done.stderr
+
+
 def test_help_is_fast_and_lists_the_options():
     done = run_cli("serve", "--help")
     assert done.returncode == 0, done.stderr
-    for option in ("--policy", "--heavy", "--recent", "--budget", "--kv-cache-gb", "--host", "--port", "--api-key",
-                   "--max-model-len"):  # fmt: skip
+    for option in ("--policy", "--heavy", "--recent", "--budget", "--min-entries", "--kv-cache-gb", "--host", "--port",
+                   "--api-key", "--max-model-len"):  # fmt: skip
         assert option in done.stdout
 
 

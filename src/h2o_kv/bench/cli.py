@@ -7,10 +7,13 @@ import pathlib
 import typer
 from rich.console import Console
 
+from ..budget import Budget
+from ..cli import BUDGET_METAVAR, HELP_STYLE, as_options, fail
+from ..registry import split_specs
 from ..setting import check_name, is_bounded
 
 app = typer.Typer(help="Benchmark decode speed, end-to-end throughput and memory of KV settings.",
-                  no_args_is_help=True, add_completion=False)  # fmt: skip
+                  no_args_is_help=True, add_completion=False, **HELP_STYLE)  # fmt: skip
 console = Console(stderr=True)
 
 
@@ -18,10 +21,18 @@ def _int_list(text: str, name: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise typer.BadParameter(f"expected comma-separated integers, got {text!r}", param_hint=name) from None
+        raise fail(f"{name} must be comma-separated integers, got {text!r}") from None
     if not values or any(v < 1 for v in values):
-        raise typer.BadParameter(f"expected integers >= 1, got {text!r}", param_hint=name)
+        raise fail(f"{name} must be integers >= 1, got {text!r}")
     return values
+
+
+def _ratio(budget: float) -> float:
+    """``--budget`` checked by :class:`~h2o_kv.Budget` (one message for every command)."""
+    try:
+        return Budget.of(budget).ratio
+    except ValueError as err:
+        raise fail(as_options(str(err), "budget")) from None
 
 
 def _kv_bits_list(text: str) -> list[int | None]:
@@ -41,7 +52,7 @@ def _model_positions(model: str | None) -> int | None:
     if model and model.startswith("random:"):
         shape = RANDOM_SHAPES.get(model.split(":", 1)[1])
         if shape is None:
-            raise typer.BadParameter(f"shape must be one of {', '.join(RANDOM_SHAPES)}", param_hint="--model")
+            raise fail(f"--model random:<shape>: the shape must be one of {', '.join(RANDOM_SHAPES)}")
         return shape["max_position_embeddings"]
     try:
         from transformers import AutoConfig
@@ -76,11 +87,12 @@ def run_cmd(
     batches: str = typer.Option("1,4", help="Batch sizes, comma-separated."),
     policies: str = typer.Option(
         "dynamic,h2o,local,sink",
-        help="KV settings: dynamic (the stock DynamicCache + SDPA), h2o-kv policies (h2o, local, sink, ..., full: "
-        "H2OCache without eviction), kvpress:<press> (kvpress:observed_attention, kvpress:snapkv, ...).",
+        help="KV settings, comma-separated: dynamic (the stock DynamicCache + SDPA), h2o-kv policies with their "
+        "options (h2o, local, sink, a2sf:decay=0.95, ..., full: H2OCache without eviction), kvpress:<press> "
+        "(kvpress:observed_attention, kvpress:snapkv, ...).",
     ),
     budget: float = typer.Option(
-        0.2, min=1e-6, max=1.0, help="Budget of the evicting settings, a ratio in (0, 1] of the prompt length."
+        0.2, metavar=BUDGET_METAVAR, help="Budget of the evicting settings, a ratio in (0, 1] of the prompt length."
     ),
     new_tokens: int = typer.Option(256, min=2, help="Tokens generated per sequence (greedy, EOS ignored)."),
     repeats: int = typer.Option(1, min=1, help="Measurements per configuration (alternating order)."),
@@ -116,12 +128,11 @@ def run_cmd(
     from .runner import ResultStore, RunSettings, fit_runs, parse_limit, run_info, run_measurements
 
     context_list, batch_list = _int_list(contexts, "--contexts"), _int_list(batches, "--batches")
-    policy_list = [p.strip() for p in policies.split(",") if p.strip()]
+    budget = _ratio(budget)
     try:
+        policy_list = [check_name(name, "--policies") for name in split_specs(policies)]
         if not policy_list:
             raise ValueError("--policies is empty")
-        for name in policy_list:
-            check_name(name, "--policies")
         bits_list = _kv_bits_list(kv_bits)
         if memory_limit:
             parse_limit(memory_limit)
@@ -131,20 +142,18 @@ def run_cmd(
 
         resolve_device(device)
     except (ValueError, ImportError) as err:
-        raise typer.BadParameter(str(err)) from None
+        raise fail(str(err)) from None
     limit = _model_positions(model)
     if limit is not None and max(context_list) + new_tokens > limit:
-        raise typer.BadParameter(
-            f"prompt {max(context_list)} + {new_tokens} new tokens exceeds the model's {limit} positions",
-            param_hint="--contexts/--new-tokens",
-        )
+        raise fail(f"--contexts/--new-tokens: prompt {max(context_list)} + {new_tokens} new tokens exceeds the model's "
+                   f"{limit} positions")  # fmt: skip
     grid = build_grid(context_list, batch_list, policy_list, new_tokens, budget, prefill_batch, bits_list)
     settings = RunSettings(model=model, device=device, dtype=dtype, threads=threads, repeats=repeats,
                            isolate=isolate, lock=lock)  # fmt: skip
     try:
         store = ResultStore(out, run_info(settings, grid))
     except ValueError as err:
-        raise typer.BadParameter(str(err)) from None
+        raise fail(str(err)) from None
     if fit_only and memory_limit:
         grid = [c for c in grid if not c.setting.bounded]
     store.save()
@@ -184,7 +193,7 @@ def report_cmd(
     try:
         files = [load(path) for path in results]
     except ValueError as err:
-        raise typer.BadParameter(str(err)) from None
+        raise fail(str(err)) from None
     rows = summarise([r for f in files for r in f["records"]], baseline)
     print(markdown_table(rows, baseline))
     model_rows = bytes_model(rows)
@@ -206,7 +215,9 @@ def report_cmd(
 @app.command("kv-memory")
 def kv_memory_cmd(
     tokens: str = typer.Option("1024,2048,4096", help="Context lengths N, comma-separated."),
-    budget: float = typer.Option(0.2, min=1e-6, max=1.0, help="Budget of the h2o settings (ratio of N)."),
+    budget: float = typer.Option(
+        0.2, metavar=BUDGET_METAVAR, help="Budget of the h2o settings, a ratio in (0, 1] of N."
+    ),
     settings: str = typer.Option(
         "dynamic,h2o,h2o-kv8,h2o-kv4,dynamic-kv4", help="Settings (dynamic = the full fp32 cache; -kvB: B-bit KV)."
     ),
@@ -218,11 +229,11 @@ def kv_memory_cmd(
     from .. import records
     from .kv_memory import SETTINGS, markdown, run
 
-    length_list = _int_list(tokens, "--tokens")
+    length_list, budget = _int_list(tokens, "--tokens"), _ratio(budget)
     labels = [label.strip() for label in settings.split(",") if label.strip()]
     unknown = sorted(set(labels) - set(SETTINGS))
     if unknown or "dynamic" not in labels:
-        raise typer.BadParameter(f"--settings: choose among {', '.join(SETTINGS)}, dynamic included; got {settings!r}")
+        raise fail(f"--settings: choose among {', '.join(SETTINGS)}, dynamic included; got {settings!r}")
     result = run(length_list, budget, labels, model=model, progress=console.print)
     table = markdown(result)
     print(table)
@@ -236,7 +247,9 @@ def profile_cmd(
     batch: int = typer.Option(4, min=1),
     heavy: int = typer.Option(512, min=0, help="Heavy-hitter entries (budget = heavy + recent)."),
     recent: int = typer.Option(512, min=0),
-    policy: str = typer.Option("h2o"),
+    policy: str = typer.Option(
+        "h2o", metavar="POLICY", help="An evicting h2o-kv policy, with options (a2sf:decay=0.95)."
+    ),
     steps: int = typer.Option(24, min=2, help="Decode steps timed."),
     model: str = typer.Option(None),
     device: str = typer.Option("auto"),
@@ -260,7 +273,7 @@ def profile_cmd(
         if not (cfg.setting.uses_h2o_cache and cfg.setting.bounded):
             raise ValueError("profile needs an evicting h2o-kv policy (h2o, local, sink, ...)")
     except ValueError as err:
-        raise typer.BadParameter(str(err), param_hint="--policy/--heavy/--recent") from None
+        raise fail(as_options(str(err), "policy", "heavy", "recent")) from None
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
     if threads:
@@ -327,7 +340,7 @@ def serve_cmd(
         for setting in settings:
             ServeOptions(setting.config, port=port)  # vLLM and the plugin installed?
     except ValueError as err:
-        raise typer.BadParameter(str(err)) from None
+        raise fail(str(err)) from None
     bench = ServeBench(settings, WORKLOADS[workload], requests, concurrency, kv_bytes, out, fit=kv_fit, port=port,
                        seed=seed, progress=console.print)  # fmt: skip
     results = bench.run()
@@ -369,7 +382,7 @@ def soak_cmd(
         options = ServeOptions(setting.config, port=port, api_key=key, kv_cache_gb=kv_cache_gb,
                                max_model_len=max_model_len)  # fmt: skip
     except ValueError as err:
-        raise typer.BadParameter(str(err)) from None
+        raise fail(str(err)) from None
     log = pathlib.Path(tempfile.mkdtemp(prefix="h2o-kv-soak-")) / "server.log"
     console.print(f"soak: starting the server (log {log})")
     with ServerProcess(options, log=log) as server:

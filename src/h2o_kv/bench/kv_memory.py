@@ -5,11 +5,13 @@ PG-19 text (batch 1) and one decode step - and its key/value storage is counted
 (:func:`h2o_kv.bench.memory.cache_bytes`: codes, scales, zero points and full-precision rings or residuals
 included; bookkeeping such as positions and scores is reported apart). Settings: the full cache (``dynamic``, fp32),
 ``h2o`` at the budget, ``h2o`` with 8-bit and 4-bit entries (``H2OCache(kv_bits=...)``), and transformers' own
-``QuantizedCache`` (quanto, 4-bit) holding everything.
+``QuantizedCache`` (quanto, 4-bit) holding everything; that one needs the ``quant-peer`` extra, and where it is
+missing its rows are skipped, with one line saying so, before any work.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -20,6 +22,18 @@ from .memory import cache_bytes
 from .workload import load_bench_model, make_prompts
 
 SETTINGS = ("dynamic", "h2o", "h2o-kv8", "h2o-kv4", "dynamic-kv4")
+
+
+def quanto_available() -> bool:
+    """Whether transformers' ``QuantizedCache`` can run here (optimum-quanto, the ``quant-peer`` extra)."""
+    from transformers.utils import is_optimum_quanto_available
+
+    return is_optimum_quanto_available()
+
+
+def missing_extras(labels) -> dict[str, str]:
+    """label -> the extra it needs and this environment lacks (``dynamic-kvB``: transformers' quanto cache)."""
+    return {label: "quant-peer" for label in labels if label.startswith("dynamic-kv") and not quanto_available()}
 
 
 def setting_of(label: str, budget: float) -> KVSetting:
@@ -43,19 +57,23 @@ def measure(lm, setting: KVSetting, tokens: int) -> dict[str, Any]:
     return {"tokens": tokens + 1, "kv_bytes": kv, "bookkeeping_bytes": total - kv, "entries_held": held}
 
 
-def run(tokens: list[int], budget: float, labels=SETTINGS, model=None, progress=None) -> dict[str, Any]:
+def run(tokens: list[int], budget: float, labels=SETTINGS, model=None, progress=print) -> dict[str, Any]:
+    """Measure ``labels`` at each of ``tokens``; a setting whose extra is missing is skipped (said in one line)."""
+    skipped = missing_extras(labels)
+    for label, extra in skipped.items():
+        print(f"skipping {label}: it needs the {extra} extra (pip install 'h2o-kv[{extra}]')", file=sys.stderr)
+    labels = [label for label in labels if label not in skipped]
     lm = load_bench_model(model, device="cpu", dtype="float32")
     rows = []
     for n in tokens:
         for label in labels:
             row = {"setting": label, **setting_of(label, budget).fields(), **measure(lm, setting_of(label, budget), n)}
             rows.append(row)
-            if progress is not None:
-                progress(f"{label} N={n}: {row['kv_bytes'] / 2**20:.2f} MiB")
+            progress(f"{label} N={n}: {row['kv_bytes'] / 2**20:.2f} MiB")
     for row in rows:
         full = next(r for r in rows if r["setting"] == "dynamic" and r["tokens"] == row["tokens"])
         row["vs_full"] = row["kv_bytes"] / full["kv_bytes"]
-    return {"budget": budget, "rows": rows, "model": lm.name}
+    return {"budget": budget, "rows": rows, "model": lm.name, "skipped": skipped}
 
 
 def markdown(result: dict[str, Any]) -> str:

@@ -98,11 +98,12 @@ class Setting:
             if not spec:
                 if default_budget is None:
                     raise ValueError(f"--policies: {name} needs a budget: {name}@0.2, {name}@256+256 or --budget")
-                return cls(f"{name}@{default_budget:g}", ServeConfig(name, budget=default_budget))
+                return cls(f"{name}@{default_budget:g}", ServeConfig(name, budget=default_budget, min_entries=0))
             if "+" in spec:
                 heavy, recent = (int(part) for part in spec.split("+", 1))
                 return cls(f"{name}@{heavy}+{recent}", ServeConfig(name, heavy=heavy, recent=recent))
-            return cls(f"{name}@{float(spec):g}", ServeConfig(name, budget=float(spec)))
+            # a ratio label is the paper's rule (no min_entries floor), as the transformers backend's
+            return cls(f"{name}@{float(spec):g}", ServeConfig(name, budget=float(spec), min_entries=0))
         except ValueError as err:
             raise ValueError(f"--policies {text!r}: {err}") from None
 

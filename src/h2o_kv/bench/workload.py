@@ -23,6 +23,14 @@ RANDOM_SHAPES: dict[str, dict] = {
         num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
         rms_norm_eps=1e-5, tie_word_embeddings=False,
     ),
+    # Llama-3-8B's shapes with Llama-3.1's 128k context (llama3 RoPE scaling): prompts beyond 8k tokens
+    "llama3.1-8b": dict(
+        model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=8192),
+        rms_norm_eps=1e-5, tie_word_embeddings=False,
+    ),
     "llama3-1b": dict(
         model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
         num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
@@ -33,7 +41,7 @@ RANDOM_SHAPES: dict[str, dict] = {
         num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0,
         rms_norm_eps=1e-5, tie_word_embeddings=True,
     ),
-    # a few MB: the shape the tests and `scripts/gpu_bench.sh --smoke` run the GPU code path with on a CPU
+    # a few MB: the shape the tests and `scripts/gpu_check.sh --smoke` run the GPU code path with on a CPU
     "tiny": dict(
         model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=49152, max_position_embeddings=8192, rope_theta=10000.0,

@@ -9,14 +9,16 @@ from typing import Any
 
 import typer
 
+from ..cli import HELP_STYLE
+from ..registry import split_specs
 from .options import BUDGET, DEVICE, DTYPE, HEAVY, JSON, KV_BITS, MODEL, PEER, POLICY, RECENT, RECONSTRUCT, kv_setting
 
-app = typer.Typer(help="Quality at a given KV setting, on real data.", no_args_is_help=True)
+app = typer.Typer(help="Quality at a given KV setting, on real data.", no_args_is_help=True, **HELP_STYLE)
 
 
 def fail(message: str) -> None:
-    """Print a clear one-line error and exit with status 2 (bad input), before any long work."""
-    typer.secho(f"Error: {message}", err=True, fg="red")
+    """A one-line input error, ``error: message`` on stderr, exit status 2, before any long work (as every command)."""
+    typer.echo(f"error: {' '.join(str(message).split())}", err=True)
     raise typer.Exit(2)
 
 
@@ -51,7 +53,9 @@ def _bar(total: int, description: str):
 def ppl(
     text: Path = typer.Option(..., "--text", help="UTF-8 text file (e.g. a PG-19 book or WikiText-2)."),
     strip_gutenberg: bool = typer.Option(
-        False, "--strip-gutenberg", help="Keep only the book between the '*** START/END OF ...' markers (required)."
+        False,
+        "--strip-gutenberg",
+        help="Keep only the book between its '*** START/END OF ...' markers (which the text must have).",
     ),
     tokens: int = typer.Option(..., "--tokens", help="Evaluate the first N tokens of the text (a budget is of N)."),
     policy: str = POLICY,
@@ -101,7 +105,10 @@ def sweep(
     ctx: typer.Context,
     kind: str = typer.Option(..., "--kind", help="Kind of evaluation (ppl, tasks, xsum, needle); its options follow."),
     policies: str = typer.Option(
-        "full,h2o,local,sink,tova,snapkv,random", "--policies", help="KV settings (unbounded ones run once)."
+        "full,h2o,local,sink,tova,snapkv,random",
+        "--policies",
+        help="KV settings, comma-separated: as --policy (a2sf:decay=0.95 included) or kvpress:<press>; unbounded "
+        "ones run once.",
     ),
     budgets: str = typer.Option("0.05,0.1,0.2,0.4,1.0", "--budgets", help="Ratios in (0, 1]."),
     out: Path = typer.Option(..., "--out", help="Folder for one result JSON per cell (resumable)."),
@@ -115,7 +122,9 @@ def sweep(
 
     try:
         options = parse_options(ctx.args)
-        names = parse_list(policies, "policies")
+        names = split_specs(policies)
+        if not names:
+            raise ValueError("--policies is empty")
         budget_list = parse_list(budgets, "budgets", float)
         paths = run_sweep(kind, names, budget_list, out, options, ModelHandle(model, dtype, device))
     except (ValueError, FileNotFoundError, ImportError) as err:

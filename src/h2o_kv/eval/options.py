@@ -1,5 +1,6 @@
 """The ``h2o-kv eval`` options, declared once: typer options shared by the commands, the KV setting they describe,
-and the parsing of a sweep kind's own options (strings as typed after ``h2o-kv eval sweep --kind K``)."""
+and the parsing of a sweep kind's own options (strings as typed after ``h2o-kv eval sweep --kind K``). Imports no
+torch (``--help`` answers at once)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ from typing import Any
 import typer
 
 from ..peers import PRESSES
-from ..policies import POLICIES
-from ..setting import DYNAMIC, PRESS_PREFIX, KVSetting
+from ..registry import BOUNDED_POLICIES, options_help
+from ..setting import DYNAMIC, PRESS_PREFIX, KVSetting, check_name
 
 MODEL = typer.Option(None, "--model", help="Model name or local directory (default: the embedded default model).")
 DTYPE = typer.Option(None, "--dtype", help="float32 (CPU default), bfloat16, float16.")
@@ -18,11 +19,15 @@ DEVICE = typer.Option(None, "--device", help="cpu, cuda, cuda:N, mps (default: C
 POLICY = typer.Option(
     None,
     "--policy",
+    metavar="POLICY",
     help=f"KV setting: {DYNAMIC} (the stock DynamicCache: the model as shipped), full (H2OCache without eviction) "
-    f"or an h2o-kv policy ({', '.join(p for p in POLICIES if p != 'full')}); default h2o.",
+    f"or an h2o-kv policy: {', '.join(BOUNDED_POLICIES)}. {options_help()}  [default: h2o]",
 )
 BUDGET = typer.Option(
-    None, "--budget", help="Ratio in (0, 1] of the prompt length L: heavy = recent = max(1, floor(B * L / 2))."
+    None,
+    "--budget",
+    metavar="RATIO",
+    help="Ratio in (0, 1] of the prompt length L: heavy = recent = max(1, floor(B * L / 2)).",
 )
 HEAVY = typer.Option(None, "--heavy", help="Heavy-hitter entries kept (with --recent), instead of --budget.")
 RECENT = typer.Option(None, "--recent", help="Recent entries kept (with --heavy).")
@@ -64,7 +69,7 @@ def kv_setting(
             raise ValueError(f"--peer {peer} replaces --policy; give one of them (got --policy {policy})")
         name = PRESS_PREFIX + check_press(peer)
     else:
-        name = "h2o" if policy is None else policy
+        name = check_name("h2o" if policy is None else policy, "--policy", presses=False)
     if kv_bits is not None:
         from ..hf.quant import KV_BITS as allowed
 

@@ -3,234 +3,151 @@
 Each layer stores keys and values in a slot buffer ``[batch, kv_heads, slots, head_dim]`` with, per slot, the
 absolute column of its entry (``pos``), a validity flag (``valid``) and the policy's running score (``scores``). Keys
 stay rotated at their absolute positions, so slots may be in any order: attention is permutation invariant once the
-mask is built from ``pos`` and ``valid``.
+mask is built from ``pos`` and ``valid``. :class:`~h2o_kv.hf.slots.Slots` is that storage; :class:`H2OLayer`
+adds the per-step operations.
 
-The per-step contract (the whole interface between this module, :mod:`h2o_kv.hf.scoring` and the policies):
+**The per-step contract** (the whole interface between this module, the attention function
+:mod:`h2o_kv.hf.scoring` and the policies :mod:`h2o_kv.policies`):
 
-1. transformers calls :meth:`H2OCache.update` with a chunk's new keys and values. The layer only *stages* them as a
-   :class:`Step` for the attention function and returns them unchanged (:func:`claim_step` hands the step over: the
-   model calls its attention function right after ``update``, in the same thread, with the returned tensors).
-2. The ``"h2o"`` attention function claims the step and, for a **prompt chunk**, asks the layer for the
-   :meth:`~H2OLayer.candidates` (kept entries followed by the chunk), attends over them computing each entry's
-   probability mass, and hands the mass to :meth:`~H2OLayer.keep`: the policy folds it into the scores and the best
-   ``capacity`` candidates are gathered into the slots. For a **decode step** (or every token of a ``stepwise``
-   chunk) it calls :meth:`~H2OLayer.append` (the token goes into a free slot, in place), attends over the slots, and
-   hands the mass to :meth:`~H2OLayer.evict` (the policy frees the lowest-ranked slot if more than ``capacity``
-   entries are kept, so ``capacity + 1`` slots suffice).
-3. The policy (:mod:`h2o_kv.policies`) only ranks entries through an :class:`~h2o_kv.policies.EntryView`; this
-   module only moves them.
+1. transformers calls :meth:`H2OCache.update` with a chunk's new keys and values. The layer returns them unchanged,
+   the keys tagged with the layer (:func:`staged_layer` takes the tag off): the model calls its attention function
+   right after ``update`` with exactly the returned tensors. Unlike transformers' own caches, ``update`` cannot
+   return the entries to attend: a ``stepwise`` chunk writes and attends its tokens one at a time, and streaming
+   mode un-rotates the keys with RoPE tables that only the attention function receives.
+2. The attention function uses four members of the layer (:data:`ATTENTION_CONTRACT`, checked by
+   ``tests/test_contract.py``): ``streaming`` and ``roller`` (streaming mode only, :mod:`h2o_kv.hf.rotary`),
+   :meth:`~H2OLayer.steps` and :meth:`~H2OLayer.observe`. ``steps`` yields one frozen :class:`Step` per attention
+   call - the whole chunk for a **prompt chunk** (the kept entries followed by the chunk's new ones), one per token
+   for a **decode step** (the slots after the token was written into a free one) - and the attention function hands
+   each back to ``observe`` with the probability mass every entry received. ``observe`` gives it to the policy
+   (:meth:`~h2o_kv.policies.Policy.accumulate`, :meth:`~h2o_kv.policies.Policy.keep_score`) and moves entries: a
+   prompt chunk keeps its best ``capacity`` candidates, a decode step frees the lowest-ranked slot once more than
+   ``capacity`` entries are held (so ``capacity + 1`` slots suffice).
+3. The policy only ranks entries through an :class:`~h2o_kv.policies.EntryView`; this module only moves them.
+
+Two behaviours span steps:
+
+* an across-layers policy (``global_*``) keeps every candidate of a prompt until all layers have scored it; the
+  selection (:meth:`H2OCache.select_across_layers`) runs at layer 0 of the *next* forward (or when called);
+* a :meth:`H2OCache.scoring_pass` changes state for one forward: its rows score the prompt, then their entries are
+  dropped and their columns given back.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import threading
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
 from .. import kernels
 from ..budget import Budget
-from ..policies import EntryView, Policy, make_policy
+from ..policies import Policy, make_policy
 from . import compat, quant
 from .quant import QuantizedSlots
+from .slots import NO_START, Candidates, Slots
 
 STATISTICS = ("sum", "max")  # of a scoring pass's attention (H2O's sum, KVzip's max)
-NO_START = 2**60  # `start` of a sequence that has shown no real token yet
-_STAGED = threading.local()
+ATTENTION_CONTRACT = frozenset({"streaming", "roller", "steps", "observe"})  # what the attention function uses
+_TAG = "_h2o_layer"  # the attribute of the keys H2OLayer.update returns: the layer they belong to
 
 
 class H2OBudgetWarning(UserWarning):
     """The budget is at least the prompt: nothing is evicted until a sequence outgrows it."""
 
 
-@dataclass
-class Step:
-    """One layer's new keys and values ``[batch, kv_heads, chunk, head_dim]``, staged for the attention function."""
+def staged_layer(key: torch.Tensor) -> H2OLayer | None:
+    """The layer whose :meth:`~H2OLayer.update` returned ``key`` (the tag is taken off), or None: the model runs with
+    another cache (or changed the keys after the cache, which the next ``update`` refuses)."""
+    return key.__dict__.pop(_TAG, None)
 
-    layer: H2OLayer
-    keys: torch.Tensor
-    values: torch.Tensor
+
+@dataclass(frozen=True)
+class Step:
+    """One attention call over one layer's entries, from :meth:`H2OLayer.steps` back to :meth:`H2OLayer.observe`.
+
+    Shapes ``[batch, kv_heads, entries(, head_dim)]``; ``keys``/``values`` are :class:`QuantizedSlots` with
+    ``kv_bits`` (a decode step; a prompt chunk's candidates are read back in full precision).
+    """
+
+    keys: torch.Tensor | QuantizedSlots  # what attention reads (raw, before RoPE, in streaming mode)
+    values: torch.Tensor | QuantizedSlots
+    pos: torch.Tensor  # absolute column of each entry
+    valid: torch.Tensor  # False: a free slot or padding
+    all_valid: bool  # every entry valid and in the rows' past (but a prompt chunk's own): no mask needed
+    first_column: int  # column of the call's first query row
+    rows: slice  # the query rows of this call (a prompt chunk: all; a decode step: its one token)
+    chunk_start: int | None  # a prompt chunk: index of its first own entry (the entries end with them); else None
+    need_mass: bool  # compute ``mass``/``last`` at all (the policy reads attention)
+    window: int  # ``last`` is over the call's last ``window`` rows
+    window_max: bool  # ``last`` is their largest probability (KVzip), not their sum
+    chunk_bytes: int  # bound on the attention scores held at once
+    candidates: Candidates | None = field(default=None, repr=False)  # a prompt chunk's, for observe()
 
     @property
     def is_prompt(self) -> bool:
-        """A multi-token chunk compressed at once (else: every token is a decode step)."""
-        return self.keys.shape[2] > 1 and not self.layer.cache.stepwise
+        return self.chunk_start is not None
 
 
-def claim_step(key: torch.Tensor) -> Step | None:
-    """The step staged by the last :meth:`H2OCache.update` in this thread, if ``key`` is the tensor it returned.
+class H2OLayer(Slots):
+    """One layer of an :class:`H2OCache`: the per-step operations over its :class:`Slots` (the module docstring).
+    The policy ranks entries; this class only moves them."""
 
-    Returns None when no step is staged (the model runs with another cache). A staged step whose keys are not
-    ``key`` means the model changed the keys between the cache and the attention function: refused, since
-    attending without the cache's entries would be silently wrong.
-    """
-    step = getattr(_STAGED, "step", None)
-    _STAGED.step = None
-    if step is None:
-        return None
-    if step.keys is not key:
-        raise RuntimeError(
-            "the 'h2o' attention received other keys than H2OCache.update returned: this model transforms keys "
-            "between its cache and its attention function, which h2o-kv does not support"
-        )
-    return step
-
-
-@dataclass
-class Candidates:
-    """A prompt chunk's candidates: the kept entries followed by the chunk's new ones."""
-
-    keys: torch.Tensor
-    values: torch.Tensor
-    pos: torch.Tensor
-    valid: torch.Tensor
-    scores: torch.Tensor
-    stored: tuple[QuantizedSlots, QuantizedSlots] | None = None  # kv_bits: the candidates' keys/values as stored
-
-
-class H2OLayer(compat.LayerNames, CacheLayerMixin):
-    """One layer's slot buffer. The policy ranks entries; this class only moves them."""
-
-    is_sliding = False
-    is_compileable = False
-
-    def __init__(self, cache: H2OCache):
-        super().__init__()
-        self.cache = cache
-        self.seen = 0  # columns seen (one past the newest); positions keep counting, eviction never renumbers
-        self.peak_entries = 0
-        # decode fast path: `_free` is the one free slot of every (sequence, head) when the last eviction left
-        # exactly that; `full` means every slot holds an entry (then attention needs no mask)
-        self._free: torch.Tensor | None = None
-        self.full = False
-        self.head_capacity: torch.Tensor | None = None  # [batch, heads] after a head-adaptive selection
-
-    # -- storage --------------------------------------------------------------------------------------------------
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        batch, heads, _, _ = key_states.shape
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self.keys = key_states.new_zeros((batch, heads, 0, key_states.shape[-1]))
-        self.values = value_states.new_zeros((batch, heads, 0, value_states.shape[-1]))
-        self.pos = torch.zeros((batch, heads, 0), dtype=torch.long, device=self.device)
-        self.valid = torch.zeros((batch, heads, 0), dtype=torch.bool, device=self.device)
-        self.scores = torch.zeros((batch, heads, 0), dtype=torch.float32, device=self.device)
-        if self.cache.kv_bits is not None:  # codes + scales + zeros, and the full-precision ring (hf/quant.py)
-            quant = (self.cache.kv_bits, self.cache.kv_group_size, self.cache.kv_residual)
-            self.keys, self.values = QuantizedSlots.empty(self.keys, *quant), QuantizedSlots.empty(self.values, *quant)
-        self.start = torch.full((batch,), NO_START, dtype=torch.long, device=self.device)
-        self._all_started = False
-        self._free, self.full = None, False
-        self.is_initialized = True
-
-    @property
-    def slots(self) -> int:
-        return self.keys.shape[2] if self.is_initialized else 0
-
-    @property
-    def max_slots(self) -> float:
-        """The most slots this layer may ever allocate: ``capacity + 1`` for a policy that evicts every step."""
-        policy = self.cache.policy
-        return policy.capacity + 1 if policy.evicts_during_decode else math.inf
-
-    def capacity(self) -> torch.Tensor | float:
-        """Entries each (sequence, KV head) may keep: the policy's capacity, or the head-adaptive counts."""
-        return self.cache.policy.capacity if self.head_capacity is None else self.head_capacity
-
-    def entry_count(self) -> torch.Tensor:
-        """Valid entries per (sequence, KV head)."""
-        return self.valid.sum(-1)
-
-    def view(self, pos=None, valid=None, scores=None, keys=None) -> EntryView:
-        """The policy's view of the slots (or of the given candidates)."""
-        policy = self.cache.policy
-        return EntryView(
-            pos=self.pos if pos is None else pos,
-            valid=self.valid if valid is None else valid,
-            scores=self.scores if scores is None else scores,
-            seen=self.seen,
-            start=self.start,
-            keys=(self.full_keys() if keys is None else keys) if policy.needs_keys else None,
-        )
-
-    def full_keys(self) -> torch.Tensor:
-        """The slots' keys in full precision (dequantized with ``kv_bits``)."""
-        return self.keys.read(self.pos, self.seen) if isinstance(self.keys, QuantizedSlots) else self.keys
-
-    def _resize(self, slots: int) -> None:
-        """Reallocate the buffer to ``slots`` slots, keeping the first ``min(old, new)`` entries."""
-        keep = min(slots, self.slots)
-
-        def resized(t: torch.Tensor, fill) -> torch.Tensor:
-            if isinstance(t, QuantizedSlots):
-                return t.resized(slots)
-            out = t.new_full((*t.shape[:2], slots, *t.shape[3:]), fill)
-            out[:, :, :keep] = t[:, :, :keep]
-            return out
-
-        self.keys, self.values = resized(self.keys, 0), resized(self.values, 0)
-        self.pos, self.valid = resized(self.pos, -1), resized(self.valid, False)
-        self.scores = resized(self.scores, 0.0)
-        self._free, self.full = None, False
-
-    def reserve(self, tokens: int) -> None:
-        """Make room for ``tokens`` more entries before they are appended one by one (a stepwise chunk)."""
-        if self.is_initialized:
-            need = int(self.entry_count().max()) + tokens
-            if self.slots < min(need, self.max_slots):
-                self._resize(int(min(need, self.max_slots)))
-
-    # -- transformers' cache-layer contract ---------------------------------------------------------------------------
     def update(self, key_states, value_states, *args, **kwargs):
-        """Stage the chunk for the attention function (see the module docstring); returns it unchanged."""
+        """Return the chunk unchanged, the keys tagged with this layer for the attention function."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        staged = getattr(_STAGED, "step", None)
-        if staged is not None and staged.layer.cache is self.cache:
-            _STAGED.step = None
-            raise RuntimeError(
-                "H2OCache was updated twice without its attention function running: the model's attention "
-                "implementation must be 'h2o'. Call h2o_kv.enable_h2o(model) (h2o_kv.load_model does it)."
-            )
-        _STAGED.step = Step(self, key_states, value_states)
+        setattr(key_states, _TAG, self)
         return key_states, value_states
 
-    def get_mask_sizes(self, query, *args) -> tuple[int, int]:
-        return self.seen + compat.query_length(query), 0
+    # -- what the attention function uses (ATTENTION_CONTRACT) --------------------------------------------------
+    @property
+    def streaming(self) -> bool:
+        """Keys are stored before RoPE and re-rotated at their rank inside the cache (:mod:`h2o_kv.hf.rotary`)."""
+        return self.cache.streaming
 
-    def get_seq_length(self) -> int:
-        return self.seen
+    def roller(self, module: torch.nn.Module, query: torch.Tensor, rope, is_real: torch.Tensor | None):
+        """Streaming mode: the :class:`~h2o_kv.hf.rotary.PositionRoller` of one attention call on this layer."""
+        from .rotary import PositionRoller
 
-    def get_max_length(self) -> int:
-        return -1
+        return PositionRoller(module, self, query, rope, is_real)
 
-    def reset(self) -> None:
-        self.__init__(self.cache)
+    def steps(self, keys: torch.Tensor, values: torch.Tensor, is_real: torch.Tensor | None) -> Iterator[Step]:
+        """The attention calls of a chunk ``[batch, kv_heads, c, head_dim]`` (``is_real [batch, c]``: False for
+        padding): one :class:`Step` over the candidates for a prompt chunk, else one per token over the slots after
+        the token was written. Each step must be given back to :meth:`observe` before the next is drawn."""
+        self.cache.claimed(self)
+        policy, chunk_bytes = self.cache.policy, self.cache.prefill_chunk_bytes
+        rows = keys.shape[2]
+        if rows > 1 and not self.cache.stepwise:
+            chunk = self.candidates(keys, values, is_real)
+            scoring = self.cache.scoring_rows
+            yield Step(
+                chunk.keys, chunk.values, chunk.pos, chunk.valid, bool(chunk.valid.all()), self.seen - rows,
+                slice(None), chunk.keys.shape[2] - rows, policy.needs_attention,
+                scoring or policy.observation_window, scoring > 0 and self.cache.scoring_statistic == "max",
+                chunk_bytes, chunk,
+            )  # fmt: skip
+            return
+        if rows > 1:
+            self.reserve(rows)
+        for i in range(rows):
+            self.append(keys[:, :, i : i + 1], values[:, :, i : i + 1], None if is_real is None else is_real[:, i])
+            yield Step(self.keys, self.values, self.pos, self.valid, self.full, self.seen - 1, slice(i, i + 1), None,
+                       policy.needs_attention, 1, False, chunk_bytes)  # fmt: skip
 
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self.batch_select_indices(beam_idx)
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self.is_initialized:
-            for name in ("keys", "values", "pos", "valid", "scores", "start"):
-                setattr(self, name, getattr(self, name).index_select(0, indices.to(self.device)))
-            if self.head_capacity is not None:
-                self.head_capacity = self.head_capacity.index_select(0, indices.to(self.device))
-            self._free, self.full = None, False
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.is_initialized:
-            for name in ("keys", "values", "pos", "valid", "scores", "start"):
-                setattr(self, name, getattr(self, name).repeat_interleave(repeats, dim=0))
-            if self.head_capacity is not None:
-                self.head_capacity = self.head_capacity.repeat_interleave(repeats, dim=0)
-            self._free, self.full = None, False
-
-    def crop(self, max_length: int) -> None:
-        raise NotImplementedError("H2OCache cannot be cropped: evicted entries are gone for good.")
+    def observe(self, step: Step, mass: torch.Tensor | None, last: torch.Tensor | None) -> None:
+        """Take a step back with the mass its entries received (``mass``: summed over the rows and the query heads of
+        each KV group; ``last``: over the last ``step.window`` rows): a prompt chunk keeps its best candidates
+        (:meth:`keep`), a decode step evicts (:meth:`evict`)."""
+        if step.is_prompt:
+            self.keep(step.candidates, mass, last)
+        else:
+            self.evict(mass, last)
 
     # -- a prompt chunk -------------------------------------------------------------------------------------------
     def candidates(self, keys: torch.Tensor, values: torch.Tensor, is_real: torch.Tensor | None) -> Candidates:
@@ -278,34 +195,6 @@ class H2OLayer(compat.LayerNames, CacheLayerMixin):
             index, held = policy.select(rank.masked_fill(~chunk.valid, -math.inf), keep)
         self.store(chunk, index, held, keep, full_budget=keep == policy.capacity)
 
-    def store(self, chunk: Candidates, index, held, keep: int, *, full_budget: bool) -> None:
-        """Gather the candidates ``index`` (``None``: the first ``keep``) into the slots; ``held``: the head-adaptive
-        counts per head (see :meth:`Policy.select`); ``full_budget``: the selection filled the budget."""
-        policy = self.cache.policy
-        width = keep if held is None else index.shape[2]  # head-adaptive: padded to the largest head's count
-        self.head_capacity = held if held is not None and full_budget else None
-        # a full budget will need its one free slot at the next token; a shorter prompt grows one slot at a time
-        slots = width + 1 if full_budget and policy.evicts_during_decode else width
-        new = chunk.keys.shape[2] - self.slots  # the chunk's own entries, last among the candidates
-        if self.slots != slots:
-            self._resize(slots)
-        self._free, self.full = None, False
-        self.valid.fill_(False)
-        for name in ("keys", "values", "pos", "valid", "scores"):
-            source = getattr(chunk, name)
-            if chunk.stored is not None and name in ("keys", "values"):  # codes kept as stored, never re-quantized
-                stored = chunk.stored[name == "values"]
-                getattr(self, name).assign(stored if index is None else stored.gathered(index), width)
-                getattr(self, name).remember(source[:, :, -new:], self.seen - new)
-                continue
-            if index is not None:
-                gather_index = index if source.dim() == 3 else index.unsqueeze(-1).expand(-1, -1, -1, source.shape[-1])
-                source = source.gather(2, gather_index)
-            getattr(self, name)[:, :, :width] = source[:, :, :width]
-        if held is not None:
-            self.valid[:, :, :width] &= torch.arange(width, device=self.device) < held.unsqueeze(-1)
-        self.peak_entries = max(self.peak_entries, int(self.entry_count().max()))
-
     def _note_start(self, is_real: torch.Tensor) -> None:
         """Remember the column of each sequence's first real token (``is_real``: ``[batch, chunk]``)."""
         first = self.seen + is_real.byte().argmax(-1)
@@ -322,7 +211,7 @@ class H2OLayer(compat.LayerNames, CacheLayerMixin):
             free = self.valid.byte().argmin(-1, keepdim=True)  # [batch, heads, 1]: the first free slot
         real = None if is_real is None or bool(is_real.all()) else is_real
         quantized = isinstance(self.keys, QuantizedSlots)  # the fused write is for plain buffers
-        ops = None if quantized else kernels.cpu_ops(self.keys, self.values, self.pos, self.scores, self.valid, free)
+        ops = None if quantized else kernels.step_ops(self.keys, self.values, self.pos, self.scores, self.valid, free)
         if ops is not None:  # one fused pass for the five writes below
             ops.write_slot(self.keys, self.values, self.pos, self.scores, self.valid, free, key.contiguous(),
                            value.contiguous(), self.seen)  # fmt: skip
@@ -378,6 +267,7 @@ class H2OCache(Cache):
         budget: instead of counts, a ratio in (0, 1] of the prompt length ``L`` (the padded length of a batch):
             ``heavy = recent = max(1, floor(budget * L / 2))``, fixed for the whole generation (the H2O paper's "20%
             budget" is ``budget=0.2``; :class:`h2o_kv.Budget` is the rule).
+        min_entries: with ``budget``, a floor of kept entries (:class:`h2o_kv.Budget`); None (default): none.
         policy: a registered policy name (``h2o``, ``local``, ``sink``, ``full``, ...) or a :class:`Policy` object
             (which carries its own heavy/recent). ``full`` evicts nothing and takes no budget.
         prefill_chunk_mb: bound on the attention scores held at once while a prompt is processed; the prompt is
@@ -405,6 +295,7 @@ class H2OCache(Cache):
         recent: int | None = None,
         *,
         budget: float | None = None,
+        min_entries: int | None = None,
         policy: str | Policy = "h2o",
         prefill_chunk_mb: float = 64.0,
         stepwise: bool = False,
@@ -427,16 +318,16 @@ class H2OCache(Cache):
         self.streaming = bool(streaming)
         self.budget: Budget | None = None
         if isinstance(policy, Policy):
-            if heavy is not None or recent is not None or budget is not None or policy_options:
+            if heavy is not None or recent is not None or budget is not None or min_entries or policy_options:
                 raise ValueError("pass the budget inside the Policy object or as heavy/recent/budget, not both")
             self.policy_name, self._policy_options, self.policy = policy.name, {}, policy
         else:
             self.policy_name, self._policy_options = policy, policy_options
             probe = make_policy(policy, 0, 0, **policy_options)  # validates the name and options early
             if probe.bounded:
-                self.budget = Budget.of(budget, heavy, recent)
+                self.budget = Budget.of(budget, heavy, recent, min_entries)
                 self.policy = None if self.budget.is_ratio else make_policy(policy, heavy, recent, **policy_options)
-            elif heavy is not None or recent is not None or budget is not None:
+            elif heavy is not None or recent is not None or budget is not None or min_entries:
                 raise ValueError(f"policy {policy!r} keeps every entry: give no budget/heavy/recent")
             else:
                 self.policy = probe
@@ -448,6 +339,7 @@ class H2OCache(Cache):
             raise ValueError(f"streaming=True does not support the head-adaptive policy {self.policy_name!r}")
         self.scoring_rows, self.scoring_statistic = 0, "sum"  # set by scoring_pass() for one forward
         self.selection_pending = False  # an across-layers policy's prompt awaits select_across_layers()
+        self._unclaimed: H2OLayer | None = None  # the layer whose staged chunk no attention function took yet
 
     def select_across_layers(self) -> None:
         """Keep the best entries of every layer and KV head together, once a prompt has been scored by all layers.
@@ -510,20 +402,36 @@ class H2OCache(Cache):
 
     # -- transformers' Cache contract -----------------------------------------------------------------------------
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        """Stage a chunk for the attention function (see the module docstring); returns it unchanged."""
+        if self._unclaimed is not None:
+            self._unclaimed = None
+            raise RuntimeError(
+                "H2OCache was updated twice without its attention function running: the model's attention "
+                "implementation must be 'h2o' and must receive the keys H2OCache.update returned. Call "
+                "h2o_kv.enable_h2o(model) (h2o_kv.load_model does it)."
+            )
         while len(self.layers) <= layer_idx:
             self.layers.append(H2OLayer(self))
         if layer_idx == 0 and self.selection_pending:
             self.select_across_layers()
         if layer_idx == 0 and self.layers[0].seen == 0:
             self._resolve(key_states.shape[2] - self.scoring_rows)  # the budget is of the prompt, not its scoring
-        return self.layers[layer_idx].update(key_states, value_states)
+        self._unclaimed = self.layers[layer_idx]
+        return self._unclaimed.update(key_states, value_states)
+
+    def claimed(self, layer: H2OLayer) -> None:
+        """The attention function took ``layer``'s staged chunk (:meth:`H2OLayer.steps`)."""
+        if self._unclaimed is layer:
+            self._unclaimed = None
 
     def get_mask_sizes(self, query, layer_idx: int = 0) -> tuple[int, int]:
         seen = self.layers[layer_idx].seen if layer_idx < len(self.layers) else 0
         return seen + compat.query_length(query), 0
 
     def reset(self) -> None:
+        """Forget every entry (the next forward starts a new prompt; a ratio budget is resolved again)."""
         self.layers = []
+        self.selection_pending, self._unclaimed = False, None
         if self.budget is not None and self.budget.is_ratio:
             self.policy = None
 

@@ -1,11 +1,16 @@
 """The ``"h2o"`` attention function: attention outputs plus the probability mass each key received.
 
 Registered with transformers' ``AttentionInterface`` (and a matching ``AttentionMaskInterface`` entry), it runs
-inside every attention module of a supported model and drives the per-step contract of :mod:`h2o_kv.hf.cache`: it
-claims the :class:`~h2o_kv.hf.cache.Step` the cache staged, attends over the layer's kept entries (plus the current
-chunk), computes softmax probabilities explicitly - SDPA and FlashAttention never return them - and hands each
-entry's summed probability back to the layer (``keep`` after a prompt chunk, ``evict`` after a decode step). Without
-an H2O cache it is plain SDPA, so an enabled model behaves exactly as before with any other cache.
+inside every attention module of a supported model. Its whole use of an H2O cache (:mod:`h2o_kv.hf.cache`):
+
+1. :func:`~h2o_kv.hf.cache.staged_layer` - the layer whose ``update`` returned these keys (none: plain SDPA, so an
+   enabled model behaves exactly as before with any other cache);
+2. in streaming mode (``layer.streaming``) a ``layer.roller`` re-rotates queries and keys inside the cache;
+3. for each :class:`~h2o_kv.hf.cache.Step` of ``layer.steps(keys, values, is_real)`` (a prompt chunk: one; a decode
+   step or stepwise chunk: one per token) it attends over ``step.keys``/``step.values`` at columns ``step.pos``,
+   masked by ``step.valid`` unless ``step.all_valid``, computing softmax probabilities explicitly (SDPA and
+   FlashAttention never return them), and hands the step back with each entry's probability mass:
+   ``layer.observe(step, mass, last)``. That call changes the layer (entries kept or evicted, scores updated).
 
 The mask function builds nothing: it returns a :class:`DeferredMask` carrying the 2D padding mask, which is all an
 H2O layer needs; only the SDPA fallback materialises transformers' own mask from it. Prompts are walked in query
@@ -21,7 +26,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .cache import claim_step
+from .cache import Step, staged_layer
 from .quant import QuantizedSlots, attend_step
 from .rotary import PositionRoller, raw_keys, rope_at
 
@@ -173,66 +178,56 @@ def h2o_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """Attention for an ``H2OCache`` layer, or SDPA when no H2O cache is in use."""
-    step = claim_step(key)
-    if step is None:
+    layer = staged_layer(key)
+    if layer is None:
         mask = attention_mask.sdpa() if isinstance(attention_mask, DeferredMask) else attention_mask
         if sliding_window is not None:
             kwargs["sliding_window"] = sliding_window
         return sdpa_attention_forward(module, query, key, value, mask, dropout, scaling, **kwargs)
-    layer, policy = step.layer, step.layer.cache.policy
     rows = query.shape[2]
     padding = attention_mask.padding if isinstance(attention_mask, DeferredMask) else attention_mask
     if padding is not None and padding.dim() != 2:
         raise RuntimeError("the 'h2o' attention expects the 2D padding mask built by its mask function")
     is_real = None if padding is None else padding[:, -rows:].to(torch.bool)
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    options = dict(need_mass=policy.needs_attention)
-    keys, values = step.keys, step.values
     roll = None
-    if layer.cache.streaming:  # keys stored before RoPE, re-rotated inside the cache (h2o_kv.hf.rotary)
+    if layer.streaming:  # keys stored before RoPE, re-rotated inside the cache (h2o_kv.hf.rotary)
         rope = rope_at(module, kwargs.get("position_ids"), query)
-        roll = PositionRoller(module, layer, query, rope, is_real)
-        keys = raw_keys(keys, *rope)
+        roll = layer.roller(module, query, rope, is_real)
+        key = raw_keys(key, *rope)
         sliding_window = roll.sliding_window(sliding_window)
-    if step.is_prompt:
-        chunk = layer.candidates(keys, values, is_real)
-        first = layer.seen - rows
-        chunk_keys = chunk.keys
-        if roll is not None:  # streaming: queries and keys at their positions inside the cache
-            query, chunk_keys = roll.chunk(chunk.keys, chunk.pos, chunk.valid, first)
-        key_valid = None if bool(chunk.valid.all()) else chunk.valid  # no padding, no free slot: causal only
-        output, mass, last = attention_with_mass(
-            query, chunk_keys, chunk.values, chunk.pos, key_valid, first, scaling,
-            query_valid=is_real, sliding_window=sliding_window,
-            window=layer.cache.scoring_rows or policy.observation_window, chunk_bytes=layer.cache.prefill_chunk_bytes,
-            window_max=layer.cache.scoring_rows > 0 and layer.cache.scoring_statistic == "max",
-            chunk_start=chunk.keys.shape[2] - rows, **options,
-        )  # fmt: skip
-        layer.keep(chunk, mass, last)
-        return output, None
-    if rows > 1:
-        layer.reserve(rows)
     outputs = []
-    for i in range(rows):  # decode step(s): write, attend over the slots, score, evict
-        layer.append(keys[:, :, i : i + 1], values[:, :, i : i + 1], None if is_real is None else is_real[:, i])
-        if isinstance(layer.keys, QuantizedSlots):  # kv_bits: slots dequantized block by block (hf/quant.py)
-            step_query, factors = (query[:, :, i : i + 1], None) if roll is None else roll.step_factors(i, layer)
-            output, mass, last = attend_step(
-                step_query, layer.keys, layer.values, layer.pos, None if layer.full else layer.valid, layer.seen - 1,
-                scaling, sliding_window=sliding_window, key_factors=factors, **options,
-            )  # fmt: skip
-            layer.evict(mass, last)
-            outputs.append(output)
-            continue
-        step_query, step_keys = (query[:, :, i : i + 1], layer.keys) if roll is None else roll.step(i, layer)
-        key_valid = None if layer.full else layer.valid  # full: every slot valid, all in the step's past
-        output, mass, last = attention_with_mass(
-            step_query, step_keys, layer.values, layer.pos, key_valid, layer.seen - 1, scaling,
-            sliding_window=sliding_window, **options,
-        )  # fmt: skip
-        layer.evict(mass, last)
+    for step in layer.steps(key, value, is_real):  # a prompt chunk at once, or its tokens one by one
+        output, mass, last = _attend(step, query, is_real, scaling, sliding_window, roll)
+        layer.observe(step, mass, last)
         outputs.append(output)
-    return (outputs[0] if rows == 1 else torch.cat(outputs, dim=1)), None
+    return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)), None
+
+
+def _attend(step: Step, query, is_real, scaling: float, sliding_window: int | None, roll: PositionRoller | None):
+    """One :class:`~h2o_kv.hf.cache.Step`'s attention: ``(output, mass, last)`` as :func:`attention_with_mass`."""
+    key_valid = None if step.all_valid else step.valid
+    if step.is_prompt:
+        keys = step.keys
+        if roll is not None:  # streaming: queries and keys at their positions inside the cache
+            query, keys = roll.chunk(keys, step.pos, step.valid, step.first_column)
+        return attention_with_mass(
+            query, keys, step.values, step.pos, key_valid, step.first_column, scaling,
+            query_valid=is_real, sliding_window=sliding_window, need_mass=step.need_mass, window=step.window,
+            window_max=step.window_max, chunk_bytes=step.chunk_bytes, chunk_start=step.chunk_start,
+        )  # fmt: skip
+    i = step.rows.start
+    if isinstance(step.keys, QuantizedSlots):  # kv_bits: slots dequantized block by block (hf/quant.py)
+        step_query, factors = (query[:, :, i : i + 1], None) if roll is None else roll.step_factors(i, step)
+        return attend_step(
+            step_query, step.keys, step.values, step.pos, key_valid, step.first_column, scaling,
+            sliding_window=sliding_window, key_factors=factors, need_mass=step.need_mass,
+        )  # fmt: skip
+    step_query, keys = (query[:, :, i : i + 1], step.keys) if roll is None else roll.step(i, step)
+    return attention_with_mass(
+        step_query, keys, step.values, step.pos, key_valid, step.first_column, scaling,
+        sliding_window=sliding_window, need_mass=step.need_mass, window=step.window, chunk_bytes=step.chunk_bytes,
+    )  # fmt: skip
 
 
 class DeferredMask:

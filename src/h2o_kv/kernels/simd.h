@@ -27,6 +27,7 @@ inline float exp_nonpositive(float x) {
 // softmax of l[0, n) in place (-inf entries become 0); at least one entry must be finite
 inline void softmax(float* __restrict l, int64_t n) {
   float top = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : top)
   for (int64_t i = 0; i < n; ++i) top = std::max(top, l[i]);
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) l[i] = exp_nonpositive(l[i] - top);

@@ -30,13 +30,9 @@ class A2SF(H2O):
     def accumulate(self, scores, mass, last):
         return scores + mass if self.decay == 1 else scores.mul(self.decay).add_(mass)
 
-    def decode_victim(self, entries, mass, last):
-        if self.decay == 1:  # exactly H2O: its fused path
-            return H2O.decode_victim(self._as_h2o(), entries, mass, last)
-        return super().decode_victim(entries, mass, last)
-
-    def _as_h2o(self) -> H2O:
-        return H2O(heavy=self.heavy, recent=self.recent)
+    @property
+    def fused_h2o_ranking(self) -> bool:
+        return self.decay == 1  # exactly H2O
 
     def describe(self) -> str:
         return f"{self.name}(heavy={self.heavy}, recent={self.recent}, decay={self.decay})"

@@ -12,10 +12,19 @@ policy two things, through an :class:`EntryView`:
 
 It then keeps the :attr:`Policy.capacity` best entries (after a prompt chunk; :meth:`Policy.select`, per KV head
 unless the policy is :attr:`~Policy.head_adaptive`; once every layer has scored the prompt when it is
-:attr:`~Policy.across_layers`) or frees the single worst one (after a decode step). Adding a
-method is one small dataclass overriding these two hooks (the shape of kvpress' ``score()`` presses) and one line
-in the registry (``policies/__init__.py``). :meth:`Policy.decode_victim` is the composition of the two for a decode
-step over full slots; a policy may override it with a fused equivalent (H2O does, on the CPU).
+:attr:`~Policy.across_layers`, i.e. at layer 0 of the next forward in the transformers backend) or frees the single
+worst one (after a decode step). Adding a method is one small dataclass overriding these two hooks (the shape of
+kvpress' ``score()`` presses) and one line in the registry (:data:`h2o_kv.registry.REGISTRY`).
+
+:meth:`Policy.decode_victim` is the composition of the two for a decode step over full slots. Where
+:attr:`Policy.fused_h2o_ranking` is true (H2O's exact ranking, :class:`~h2o_kv.policies.H2O`), a backend may run a
+fused kernel of that ranking instead - the transformers cache through :meth:`~h2o_kv.policies.H2O.decode_victim`,
+the vLLM backend in its paged decode kernel; a policy never knows which backend runs it.
+
+Ownership: an :class:`EntryView` is read-only for :meth:`~Policy.accumulate`, :meth:`~Policy.keep_score` and
+:meth:`~Policy.select`, which return new tensors. :meth:`~Policy.decode_victim` owns the score update of its step: it
+may write the new scores into ``entries.scores`` in place (the fused H2O path does) and returns the scores the
+backend stores from then on.
 """
 
 from __future__ import annotations
@@ -31,7 +40,8 @@ INF = float("inf")
 
 @dataclass(frozen=True)
 class EntryView:
-    """Read-only view of one layer's entries, shapes ``[batch, kv_heads, entries]`` (``keys``: ``[..., head_dim]``).
+    """View of one layer's entries, shapes ``[batch, kv_heads, entries]`` (``keys``: ``[..., head_dim]``); read-only
+    except ``scores`` in :meth:`Policy.decode_victim` (see the module docstring).
 
     ``keys`` are what attention reads: rotated at their absolute positions (RoPE models), except in the
     transformers backend's streaming mode, where they are stored before RoPE (position-free). They are ``None``
@@ -71,6 +81,12 @@ class Policy:
         return math.isfinite(self.capacity)
 
     @property
+    def fused_h2o_ranking(self) -> bool:
+        """Whether this policy's decode step is exactly H2O's ranking (:class:`~h2o_kv.policies.H2O`, the
+        specification), so that a backend may run a fused kernel of it instead of the hooks."""
+        return False
+
+    @property
     def observation_window(self) -> int:
         """How many of a call's last query rows make up ``last`` (1: the newest query; SnapKV: its window)."""
         return 1
@@ -90,7 +106,8 @@ class Policy:
 
     def decode_victim(self, entries: EntryView, mass: torch.Tensor | None, last: torch.Tensor | None):
         """A decode step over full slots: ``(new scores, victim)``, the victim ``[batch, heads, 1]`` being the first
-        slot of lowest :meth:`keep_score` after :meth:`accumulate` (an override must give the same result)."""
+        slot of lowest :meth:`keep_score` after :meth:`accumulate` (an override must give the same result). The
+        caller keeps the returned scores; ``entries.scores`` may have been updated in place."""
         scores = self.accumulate(entries.scores, mass, last)
         rank = self.keep_score(replace(entries, scores=scores))
         return scores, rank.min(-1, keepdim=True).indices  # (min: faster than argmin, same first index)

@@ -7,21 +7,24 @@ each KV head orders its own entries, which attention allows since keys are cache
 kernel sees (``seq_lens``) is the slot count; positions keep counting.
 
 * Prompt chunks (chunked prefill included) are written where vLLM puts them, all prompt blocks are held, and each
-  layer accumulates the probability mass every prompt query pays each key (blockwise, no ``L x L`` matrix). After
-  the last chunk the policy keeps its best ``capacity`` entries, gathered into the first slots; the scheduler
-  (:mod:`h2o_kv.vllm.patches`) then frees the other blocks.
-* A decode step writes the new token into the first free slot of each head (vLLM's own write is disabled for the
-  row), attends over the slots, folds the mass into the scores and frees the lowest-ranked slot when more than
-  ``capacity`` entries are kept - the transformers backend's :meth:`~h2o_kv.hf.cache.H2OLayer.append` and
-  :meth:`~h2o_kv.hf.cache.H2OLayer.evict`, slot for slot.
+  layer accumulates the probability mass every prompt query pays each key, and separately the mass the prompt's
+  last :attr:`~h2o_kv.policies.Policy.observation_window` queries pay (whichever chunks they fall in): the policy's
+  ``mass`` and ``last``. After the last chunk the policy keeps its best ``capacity`` entries, gathered into the
+  first slots; the scheduler (:mod:`h2o_kv.vllm.patches`) then frees the other blocks.
+* A decode step writes the new token into the first free slot of each head (vLLM's write skips the row's token,
+  :meth:`H2OAttentionImpl.do_kv_cache_update`), attends over the slots, folds the mass into the scores and frees
+  the lowest-ranked slot when more than ``capacity`` entries are kept - the transformers backend's
+  :meth:`~h2o_kv.hf.cache.H2OLayer.append` and :meth:`~h2o_kv.hf.cache.H2OLayer.evict`, slot for slot.
 
 A decode step of every bounded row of a layer is one call of the fused kernel ``paged_decode``
 (:func:`h2o_kv.kernels.paged_ops`): write, attention over the row's paged slots, mass and, for H2O, the score update
 and the victim, in one pass (vLLM's kernel is handed a length of one slot for these rows and its output replaced).
 Other policies get the mass from the kernel and rank in Python; without a compiler the same step runs as torch ops
-(:func:`decode_torch`, the kernel's reference in the tests). Prompt chunks of bounded rows are attended by
-:func:`h2o_kv.hf.scoring.attention_with_mass` (the transformers backend's attention, which also returns the mass);
-other rows keep vLLM's kernel. The policies are :mod:`h2o_kv.policies`' objects (one implementation, two backends).
+(:func:`decode_torch`, the kernel's reference in the tests). The prompt chunks of every bounded row of a layer are
+one call of ``paged_prefill`` (:func:`h2o_kv.kernels.prefill_ops`): output and mass in one pass over the rows'
+paged blocks, read in place; vLLM's kernel runs over the other rows only (:func:`prefill_torch`, the transformers
+backend's :func:`~h2o_kv.hf.scoring.attention_with_mass` over the gathered keys, is its reference and fallback).
+The policies are :mod:`h2o_kv.policies`' objects (one implementation, two backends).
 Only the fp32 cache layout (the ``vec`` ISA) is supported.
 """
 
@@ -30,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 import torch
+from vllm.forward_context import get_forward_context
 from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackend,
     CPUAttentionBackendImpl,
@@ -39,7 +43,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 
 from .. import kernels
 from ..hf.scoring import attention_with_mass
-from ..policies import H2O, EntryView, Policy
+from ..policies import EntryView, Policy
 from . import patches
 
 
@@ -51,7 +55,8 @@ class LayerEntries:
     pos: torch.Tensor
     scores: torch.Tensor
     valid: torch.Tensor
-    prompt_mass: torch.Tensor | None = None  # mass summed over the prompt chunks so far [kv_heads, computed]
+    prompt_mass: torch.Tensor | None = None  # while prefilling, [kv_heads, prompt]: mass of every prompt query
+    window_mass: torch.Tensor | None = None  # the same of the observation window's queries (the policy's `last`)
 
 
 @dataclass
@@ -67,7 +72,7 @@ class RequestEntries:
     @property
     def fused(self) -> bool:
         """Whether the decode kernel ranks this request's entries itself (exactly H2O's ranking)."""
-        return type(self.policy).accumulate is H2O.accumulate and type(self.policy).keep_score is H2O.keep_score
+        return self.policy.fused_h2o_ranking
 
 
 @dataclass(frozen=True)
@@ -82,6 +87,17 @@ class Row:
     blocks: torch.Tensor  # the request's block ids covering `slots`
     prompt: bool  # a prompt chunk (else a decode step)
     last_chunk: bool  # the chunk that completes the prompt: compress after it
+    window_from: int = 0  # a prompt chunk's first row in the observation window (the prompt's last queries)
+    after: int = 0  # the request's slots in use once the step ran (RequestEntries.slots, set by advance())
+
+
+@dataclass(frozen=True)
+class PrefillBatch:
+    """The bounded prompt chunks of a step, as the kernel takes them (shared by every layer)."""
+
+    rows: tuple[Row, ...]
+    block_table: torch.Tensor  # int32 [rows, blocks]
+    meta: torch.Tensor  # int64 [rows, 4]: first token, queries, column, window_from
 
 
 @dataclass(frozen=True)
@@ -94,12 +110,20 @@ class DecodeBatch:
 
 
 _REQUESTS: dict[str, RequestEntries | None] = {}  # None: a request the plugin leaves to vLLM
+_PLANNED: list[Row] = []  # the bounded rows of the step in flight (the builder's plan; advance() commits it)
 
 
 def forget(request_ids) -> None:
     """Drop the state of finished (or preempted) requests."""
     for request_id in request_ids:
         _REQUESTS.pop(request_id, None)
+
+
+def advance() -> None:
+    """After a step ran: each bounded request holds the slots the step left it (the builder only plans them)."""
+    for row in _PLANNED:
+        row.entries.slots = row.after
+    _PLANNED.clear()
 
 
 def _entries_for(request_id: str, request_state) -> RequestEntries | None:
@@ -116,16 +140,21 @@ def _entries_for(request_id: str, request_state) -> RequestEntries | None:
 
 @dataclass
 class H2OAttentionMetadata(CPUAttentionMetadata):
-    h2o_rows: tuple[Row, ...] = ()  # prompt chunks of bounded requests
+    h2o_prefill: PrefillBatch | None = None  # prompt chunks of bounded requests
     h2o_decode: DecodeBatch | None = None
+    vllm_part: CPUAttentionMetadata | None = None  # with h2o_prefill: vLLM's kernel over the other rows (None: none)
+    vllm_tokens: torch.Tensor | None = None  # the batch tokens of those rows
 
 
 class H2OAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
-    """Turns bounded requests' logical lengths into physical slot counts, and redirects their decode writes."""
+    """Turns bounded requests' logical lengths into physical slot counts, redirects their decode writes, and leaves
+    their prompt chunks out of vLLM's kernel. It changes no request state: :func:`advance` commits a step's plan once
+    the step ran (a second build of the same step plans the same rows)."""
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
         runner = patches.current_runner()
         rows = self._plan(runner, common_attn_metadata) if runner is not None else []
+        _PLANNED[:] = [row for _, row in rows]
         if rows:
             seq_lens = common_attn_metadata.seq_lens.clone()
             for index, row in rows:  # vLLM's kernel attends one slot of a decode row (its output is replaced)
@@ -135,10 +164,33 @@ class H2OAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         if not rows:
             return metadata
         fields = {name: getattr(metadata, name) for name in CPUAttentionMetadata.__dataclass_fields__}
-        decode = tuple(row for _, row in rows if not row.prompt)
+        prompt = [index for index, row in rows if row.prompt]
+        part, tokens = self._without(common_prefix_len, common_attn_metadata, prompt, fast_build)
         return H2OAttentionMetadata(
-            **fields, h2o_rows=tuple(row for _, row in rows if row.prompt), h2o_decode=_decode_batch(decode)
-        )
+            **fields, h2o_prefill=_prefill_batch(tuple(row for _, row in rows if row.prompt)),
+            h2o_decode=_decode_batch(tuple(row for _, row in rows if not row.prompt)), vllm_part=part,
+            vllm_tokens=tokens,
+        )  # fmt: skip
+
+    def _without(self, common_prefix_len, common, excluded: list[int], fast_build: bool):
+        """vLLM's metadata for the batch without the rows ``excluded`` and the batch tokens of the rows left
+        (``(None, None)`` when none is left)."""
+        kept = sorted(set(range(common.num_reqs)) - set(excluded))
+        if not excluded or not kept:
+            return None, None
+        starts = common.query_start_loc_cpu[: common.num_reqs + 1]
+        tokens = torch.cat([torch.arange(int(starts[i]), int(starts[i + 1])) for i in kept])
+        lengths = (starts[1:] - starts[:-1])[kept]
+        query_start = torch.zeros(len(kept) + 1, dtype=starts.dtype)
+        torch.cumsum(lengths, 0, out=query_start[1:])
+        seq_lens = common.seq_lens[kept]
+        part = replace(
+            common, query_start_loc=query_start, query_start_loc_cpu=query_start, seq_lens=seq_lens,
+            num_reqs=len(kept), num_actual_tokens=len(tokens), max_query_len=int(lengths.max()),
+            max_seq_len=int(seq_lens.max()), block_table_tensor=common.block_table_tensor[kept],
+            slot_mapping=common.slot_mapping[tokens], positions=None,
+        )  # fmt: skip
+        return super().build(common_prefix_len, part, fast_build), tokens
 
     def _plan(self, runner, common) -> list[tuple[int, Row]]:
         if self.isa != "vec":
@@ -160,21 +212,30 @@ class H2OAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
             if column < entries.prompt:  # a prompt chunk: physical slots are the logical ones
                 if end > entries.prompt:
                     raise RuntimeError("h2o-kv: a bounded request was recomputed past its prompt (preempted?)")
-                if column == 0:
-                    entries.layers.clear()
                 slots, last = end, end == entries.prompt
-                entries.slots = min(end, int(entries.policy.capacity)) if last else end
+                after = min(end, int(entries.policy.capacity)) if last else end
             else:
                 if queries != 1:
                     raise RuntimeError("h2o-kv: a decode step of several tokens (speculative decoding) is unsupported")
                 grows = entries.slots <= entries.policy.capacity or not entries.policy.evicts_during_decode
-                slots = entries.slots + 1 if grows else entries.slots
-                entries.slots = slots
+                slots = after = entries.slots + 1 if grows else entries.slots
                 last = False
-                common.slot_mapping[start] = -1  # the attention writes the token into each head's free slot
             blocks = common.block_table_tensor[index, : -(-slots // self.block_size)].long()
-            rows.append((index, Row(entries, start, queries, column, slots, blocks, column < entries.prompt, last)))
+            window_from = max(0, entries.prompt - entries.policy.observation_window - column)
+            prompt = column < entries.prompt
+            row = Row(entries, start, queries, column, slots, blocks, prompt, last, window_from, after)
+            rows.append((index, row))
         return rows
+
+
+def _prefill_batch(rows: tuple[Row, ...]) -> PrefillBatch | None:
+    if not rows:
+        return None
+    table = torch.zeros((len(rows), max(len(row.blocks) for row in rows)), dtype=torch.int32)
+    for i, row in enumerate(rows):
+        table[i, : len(row.blocks)] = row.blocks
+    meta = torch.tensor([[row.start, row.queries, row.column, row.window_from] for row in rows], dtype=torch.long)
+    return PrefillBatch(rows, table, meta)
 
 
 def _decode_batch(rows: tuple[Row, ...]) -> DecodeBatch | None:
@@ -193,33 +254,60 @@ def _decode_batch(rows: tuple[Row, ...]) -> DecodeBatch | None:
 class H2OAttentionImpl(CPUAttentionBackendImpl):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        patches.check_layer(self)  # sliding windows, soft-capping, ALiBi, sinks...: refused at model load
         kernels.paged_ops()  # built (once per machine, ~40 s) or loaded while the model loads, not in a request
+        kernels.prefill_ops()
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
-        output = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
-        rows, decode = getattr(attn_metadata, "h2o_rows", ()), getattr(attn_metadata, "h2o_decode", None)
-        if rows or decode is not None:
+        prefill, decode = getattr(attn_metadata, "h2o_prefill", None), getattr(attn_metadata, "h2o_decode", None)
+        if prefill is None:
+            output = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+        elif attn_metadata.vllm_part is not None:  # vLLM's kernel over the rows h2o-kv does not prefill
+            tokens = attn_metadata.vllm_tokens
+            part = output.new_empty((len(tokens), *output.shape[1:]))
+            super().forward(layer, query[tokens], key, value, kv_cache, attn_metadata.vllm_part, part, *args, **kwargs)
+            output[tokens] = part
+        if prefill is not None or decode is not None:
             cache = PagedCache(kv_cache)
-            for row in rows:
-                self._prefill(layer.layer_name, row, query, cache, output)
+            if prefill is not None:
+                self._prefill(layer.layer_name, prefill, query, kv_cache, cache, output)
             if decode is not None:
                 self._decode(layer.layer_name, decode, query, key, value, kv_cache, cache, output)
         return output
 
-    def _prefill(self, name, row, query, cache, output) -> None:
-        """A prompt chunk: attend with mass, accumulate it; after the last chunk keep the policy's best entries."""
-        policy, entries = row.entries.policy, row.entries
-        span = slice(row.start, row.start + row.queries)
-        layer = entries.layers.get(name)
-        pos = torch.arange(row.slots).expand(self.num_kv_heads, -1)
-        keys, values = cache.read(row.blocks, row.slots)  # [kv_heads, slots, head_dim]
-        rows_query = query[span].transpose(0, 1).unsqueeze(0)  # [1, q_heads, queries, head_dim]
-        out, mass, last = attention_with_mass(
-            rows_query, keys[None], values[None], pos[None], None, row.column, self.scale,
-            need_mass=policy.needs_attention, window=policy.observation_window, chunk_start=row.slots - row.queries,
-        )  # fmt: skip
-        output[span] = out[0].reshape(output[span].shape)
-        self._prompt(name, row, layer, mass, last, keys, values, cache)
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        """vLLM's write of the step's keys and values, but of bounded decode rows (written by :meth:`_decode`)."""
+        metadata = get_forward_context().attn_metadata
+        metadata = metadata.get(layer.layer_name) if isinstance(metadata, dict) else metadata
+        decode = getattr(metadata, "h2o_decode", None)
+        if decode is not None:  # the attention writes these tokens into each head's free slot
+            slot_mapping = slot_mapping.clone()
+            slot_mapping[decode.meta[:, 0]] = -1
+        super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+
+    def _prefill(self, name, batch: PrefillBatch, query, kv_cache, cache, output) -> None:
+        """The prompt chunks of every bounded row: attend with mass, accumulate it; after a prompt's last chunk keep
+        the policy's best entries."""
+        layers = []
+        for row in batch.rows:
+            if row.column == 0:  # the prompt's first chunk: its mass accumulates from zero
+                shape = (self.num_kv_heads, row.entries.prompt)
+                row.entries.layers[name] = LayerEntries(None, None, None, torch.zeros(shape), torch.zeros(shape))
+            layers.append(row.entries.layers[name])
+        ops = kernels.prefill_ops() if query.dtype == torch.float32 else None
+        if ops is None:
+            for row, layer in zip(batch.rows, layers, strict=True):
+                prefill_torch(row, layer, query, cache, output, self.scale)
+        else:
+            scored = any(row.entries.policy.needs_attention for row in batch.rows)
+            ops.paged_prefill(
+                query, kv_cache, output.view(output.shape[0], self.num_heads, -1), batch.block_table, batch.meta,
+                [layer.prompt_mass for layer in layers] if scored else [],
+                [layer.window_mass for layer in layers] if scored else [], self.scale,
+            )  # fmt: skip
+        for row, layer in zip(batch.rows, layers, strict=True):
+            if row.last_chunk:
+                self._compress(row, layer, cache)
 
     def _decode(self, name, batch: DecodeBatch, query, key, value, kv_cache, cache, output) -> None:
         """One decode step of every bounded row: write, attend, score, evict (see the module docstring)."""
@@ -248,30 +336,20 @@ class H2OAttentionImpl(CPUAttentionBackendImpl):
                     row = batch.rows[i]
                     rank(row, layers[i], mass[j : j + 1, :, : row.slots], cache)
 
-    def _prompt(self, name, row, layer, mass, last, keys, values, cache) -> None:
-        """Accumulate a prompt chunk's mass; after the last chunk keep the policy's best ``capacity`` entries."""
+    def _compress(self, row: Row, layer: LayerEntries, cache: PagedCache) -> None:
+        """After a prompt's last chunk: keep the policy's best ``capacity`` entries, in the first slots."""
         entries, policy = row.entries, row.entries.policy
-        kv_heads, total = keys.shape[0], row.slots
-        if layer is None:
-            layer = entries.layers[name] = LayerEntries(None, None, None, torch.zeros((kv_heads, 0)))
-        if mass is not None:
-            grown = layer.prompt_mass.new_zeros((kv_heads, total))
-            grown[:, : layer.prompt_mass.shape[1]] = layer.prompt_mass
-            layer.prompt_mass = grown
-            layer.prompt_mass += mass[0]
-        if not row.last_chunk:
-            return
-        prompt_mass = layer.prompt_mass[None] if mass is not None else None
-        scores = policy.accumulate(torch.zeros((1, kv_heads, total)), prompt_mass, last)
+        kv_heads, total = layer.prompt_mass.shape[0], row.slots
+        mass, last = (layer.prompt_mass[None], layer.window_mass[None]) if policy.needs_attention else (None, None)
+        scores = policy.accumulate(torch.zeros((1, kv_heads, total)), mass, last)
         pos = torch.arange(total).expand(1, kv_heads, total)
         keep = int(min(policy.capacity, total))
         if keep < total:
             valid = torch.ones_like(pos, dtype=torch.bool)
-            view = EntryView(pos, valid, scores, total, torch.zeros(1, dtype=torch.long),
-                             keys[None] if policy.needs_keys else None)  # fmt: skip
+            keys = cache.read(row.blocks, total)[0][None] if policy.needs_keys else None  # once per prompt (keydiff)
+            view = EntryView(pos, valid, scores, total, torch.zeros(1, dtype=torch.long), keys)
             index = policy.keep_score(view).topk(keep, dim=-1).indices[0]  # [kv_heads, keep]
-            gather = index[..., None].expand(-1, -1, keys.shape[-1])
-            cache.write_slots(row.blocks, keys.gather(1, gather), values.gather(1, gather))
+            cache.write_slots(row.blocks, *cache.gather(row.blocks, index))
         else:
             index = pos[0]
         # the most slots the request will use: capacity + 1 while it evicts, else everything it generates
@@ -284,7 +362,7 @@ class H2OAttentionImpl(CPUAttentionBackendImpl):
         layer.pos[:, :keep] = index
         layer.scores[:, :keep] = scores[0].gather(1, index)
         layer.valid[:, :keep] = True
-        layer.prompt_mass = None
+        layer.prompt_mass = layer.window_mass = None
 
 
 def rank(row: Row, layer: LayerEntries, mass: torch.Tensor, cache: PagedCache) -> None:
@@ -301,6 +379,24 @@ def rank(row: Row, layer: LayerEntries, mass: torch.Tensor, cache: PagedCache) -
     scores, victim = Policy.decode_victim(policy, view, mass, mass)  # the composition the fused H2O path equals
     layer.scores[:, :n] = scores[0]
     layer.valid[:, :n].scatter_(1, victim[0], False)
+
+
+def prefill_torch(row: Row, layer: LayerEntries, query, cache: PagedCache, output, scale: float) -> None:
+    """A bounded row's prompt chunk as torch ops over its gathered keys (a copy of them): what the kernel
+    ``paged_prefill`` does (its reference and fallback). Adds the chunk's mass to ``layer.prompt_mass`` and that of
+    its rows from ``row.window_from`` on to ``layer.window_mass``."""
+    keys, values = cache.read(row.blocks, row.slots)  # [kv_heads, slots, head_dim]
+    span, policy = slice(row.start, row.start + row.queries), row.entries.policy
+    pos = torch.arange(row.slots).expand(keys.shape[0], -1)
+    out, mass, last = attention_with_mass(
+        query[span].transpose(0, 1).unsqueeze(0), keys[None], values[None], pos[None], None, row.column, scale,
+        need_mass=policy.needs_attention, window=max(0, row.queries - row.window_from), chunk_start=row.column,
+    )  # fmt: skip
+    output[span] = out[0].reshape(output[span].shape)
+    if mass is not None:
+        layer.prompt_mass[:, : row.slots] += mass[0]
+    if last is not None:
+        layer.window_mass[:, : row.slots] += last[0]
 
 
 def decode_torch(row: Row, layer: LayerEntries, query, key, value, cache: PagedCache, output, scale: float) -> None:
@@ -343,6 +439,12 @@ class PagedCache:
         block, offset = blocks[slot // self.block_size], slot % self.block_size
         self.keys[block, heads, :, offset] = key
         self.values[block, heads, offset, :] = value
+
+    def gather(self, blocks: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of head ``h``'s slots ``index[h]`` (``[heads, n]``), ``[heads, n, head_dim]`` each."""
+        block, offset = blocks[index // self.block_size], index % self.block_size
+        heads = torch.arange(index.shape[0])[:, None]
+        return self.keys[block, heads, :, offset], self.values[block, heads, offset, :]
 
     def write_slots(self, blocks: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """``keys``/``values`` ``[heads, n, head_dim]`` into every head's first ``n`` slots."""

