@@ -84,7 +84,7 @@ def continue_generation(
     if feed_last and cache is not None and sequences.shape[1] > new:
         done = cache.get_seq_length()
         with torch.no_grad():  # the token generate never fed back: now the cache has seen all of `sequences`
-            model(sequences[:, -1:], **compat.cache_kwargs(cache), **compat.forward_kwargs(done, 1, device))
+            model(sequences[:, -1:], **compat.cache_kwargs(cache), **compat.continuation_kwargs(done, 1, device))
     return output
 
 

@@ -68,7 +68,18 @@ def plain(message: str) -> str:
     return message
 
 
-class _Group(TyperGroup):
+class HelpGroup(TyperGroup):
+    """A group whose command list shows each command's first sentence whole (click cuts it at about 45 columns)."""
+
+    def format_commands(self, ctx, formatter):
+        rows = [(name, command.get_short_help_str(limit=1000)) for name in self.list_commands(ctx)
+                if (command := self.get_command(ctx, name)) is not None and not command.hidden]  # fmt: skip
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
+
+
+class _Group(HelpGroup):
     """The top-level group: mounts :data:`LAZY_GROUPS` lazily and prints every usage error as one line."""
 
     def list_commands(self, ctx):
@@ -127,7 +138,7 @@ def fail(message: str):
 def as_options(message: str, *names: str, assigned: bool = False) -> str:
     """A library message in command-line terms: the parameter ``heavy`` becomes the option ``--heavy`` (with
     ``assigned``: only in ``heavy=4``, which becomes ``--heavy 4``)."""
-    pattern = rf"\b({'|'.join(names)})" + ("=" if assigned else r"\b")
+    pattern = rf"(?<![-\w])({'|'.join(names)})" + ("=" if assigned else r"\b")
     return re.sub(pattern, lambda m: f"--{m[1].replace('_', '-')}" + (" " if assigned else ""), message)
 
 
@@ -348,7 +359,7 @@ def generate(
     decode_rate = (generated - 1) / (end - first) if generated > 1 and end > first else float("nan")
     precision = "" if kv_bits is None else f" {kv_bits}-bit KV"
     summary = (
-        f"[{spec.label}{precision}] KV entries {stats['kv_tokens']} kept / {stats['seen_tokens']} seen per layer "
+        f"[{stats['policy']}{precision}] KV entries {stats['kv_tokens']} kept / {stats['seen_tokens']} seen per layer "
         f"and head ({stats['evicted_tokens']} evicted) | KV memory {_mib(stats['kv_bytes'])} vs "
         f"{_mib(stats['full_kv_bytes'])} full ({stats['kv_ratio']:.2f}x) | prompt {length} tokens in "
         f"{first - start:.2f} s | {generated} new tokens, {generated / (end - start):.1f} tok/s end-to-end, "
@@ -445,7 +456,7 @@ SERVE_EXAMPLES = """Examples:
     help="Serve the model with vLLM's OpenAI-compatible server (vllm serve), H2O eviction inside the engine.\n\n"
     "The KV setting applies to every request (a request may override it with extra_body={'vllm_xargs': "
     "{'h2o_heavy': H, 'h2o_recent': R}}); --policy full is vLLM's own cache. Arguments after -- go to vllm serve "
-    "as given. Needs the vllm extra: pip install 'h2o-kv\\[vllm]'.",
+    "as given. Needs the vllm extra: pip install 'h2o-kv[vllm]'.",
     epilog=SERVE_EXAMPLES,
 )
 def serve(
@@ -493,7 +504,7 @@ def serve(
         options = ServeOptions(config, model=model, host=host, port=port, api_key=api_key, kv_cache_gb=kv_cache_gb,
                                max_model_len=max_model_len, dtype=dtype, extra=tuple(ctx.args))  # fmt: skip
     except ValueError as err:
-        raise fail(as_options(str(err), "min_entries")) from None
+        raise fail(as_options(str(err), "min_entries", "policy")) from None
     with Notes():
         try:
             exec_server(options)

@@ -39,7 +39,7 @@ class Option:
     def parse(self, text: str) -> object:
         """The value of ``text`` (as typed), or ValueError naming the option and its range."""
         try:
-            value = self.type(text) if self.type is not float else float(text)
+            value = self.type(text.strip())
         except ValueError:
             value = None
         if value is None or not self.allows(value):
@@ -136,22 +136,19 @@ class PolicySpec:
         """Every option of the policy, defaults included."""
         return {option.name: self.options.get(option.name, option.default) for option in REGISTRY[self.name].options}
 
-    def __str__(self) -> str:
-        return self.label
-
 
 def parse_policy(spec: str | PolicySpec, choices: tuple[str, ...] = POLICY_NAMES) -> PolicySpec:
     """The :class:`PolicySpec` of ``name[:option=value,...]``; ValueError (one line, naming the policy or the option
     and what it allows) unless ``name`` is one of ``choices`` and each option is the policy's, in its range."""
     if isinstance(spec, PolicySpec):
         spec = spec.label
-    name, _, rest = str(spec).strip().partition(":")
+    name, colon, rest = str(spec).strip().partition(":")
     name = name.strip()
     if name not in choices:
         raise ValueError(f"policy must be one of {', '.join(choices)}; got {name!r}")
     entry = REGISTRY[name]
     given: dict[str, object] = {}
-    for item in filter(None, (part.strip() for part in rest.split(","))) if rest.strip() else ():
+    for item in filter(None, (part.strip() for part in rest.split(","))):
         key, sep, text = (part.strip() for part in item.partition("="))
         option = entry.option(key)
         if option is None:
@@ -165,7 +162,7 @@ def parse_policy(spec: str | PolicySpec, choices: tuple[str, ...] = POLICY_NAMES
             given[key] = option.parse(text)
         except ValueError as err:
             raise ValueError(f"policy {name}: {err}") from None
-    if rest.strip() and not given:
+    if colon and not given:
         raise ValueError(f"policy {name}: no options after ':' (the syntax is {name}:option=value,...)")
     options = {o.name: given[o.name] for o in entry.options if o.name in given and given[o.name] != o.default}
     return PolicySpec(name, options)
@@ -193,9 +190,3 @@ def split_specs(text: str) -> list[str]:
         elif part:
             items.append(part)
     return items
-
-
-def spec_of(name: str, options: dict[str, object] | None = None) -> PolicySpec:
-    """The spec of a result record's ``policy`` and ``policy_options`` fields (absent options: the defaults)."""
-    items = ",".join(f"{key}={value}" for key, value in (options or {}).items())
-    return parse_policy(f"{name}:{items}" if items else name)

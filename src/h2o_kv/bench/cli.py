@@ -8,12 +8,12 @@ import typer
 from rich.console import Console
 
 from ..budget import Budget
-from ..cli import BUDGET_METAVAR, HELP_STYLE, as_options, fail
+from ..cli import BUDGET_METAVAR, HELP_STYLE, HelpGroup, as_options, fail
 from ..registry import split_specs
 from ..setting import check_name, is_bounded
 
 app = typer.Typer(help="Benchmark decode speed, end-to-end throughput and memory of KV settings.",
-                  no_args_is_help=True, add_completion=False, **HELP_STYLE)  # fmt: skip
+                  cls=HelpGroup, no_args_is_help=True, add_completion=False, **HELP_STYLE)  # fmt: skip
 console = Console(stderr=True)
 
 
@@ -124,9 +124,6 @@ def run_cmd(
     plot: pathlib.Path = typer.Option(None, help="Write the tokens/s and memory plot here."),
 ):
     """Measure the grid contexts x batches x settings; results are written after every measurement."""
-    from .report import markdown_table, summarise
-    from .runner import ResultStore, RunSettings, fit_runs, parse_limit, run_info, run_measurements
-
     context_list, batch_list = _int_list(contexts, "--contexts"), _int_list(batches, "--batches")
     budget = _ratio(budget)
     try:
@@ -134,6 +131,12 @@ def run_cmd(
         if not policy_list:
             raise ValueError("--policies is empty")
         bits_list = _kv_bits_list(kv_bits)
+    except ValueError as err:  # before the imports of torch (seconds)
+        raise fail(str(err)) from None
+    from .report import markdown_table, summarise
+    from .runner import ResultStore, RunSettings, fit_runs, parse_limit, run_info, run_measurements
+
+    try:
         if memory_limit:
             parse_limit(memory_limit)
         elif fit_only:
@@ -301,7 +304,9 @@ setting, at a fixed KV space; one JSON per setting (OUT_<setting>.json), a markd
 @app.command("serve", help=SERVE_HELP)
 def serve_cmd(
     policies: str = typer.Option(
-        "full,h2o", help="Settings, comma-separated: full, POLICY (with --budget), POLICY@RATIO, POLICY@HEAVY+RECENT."
+        "full,h2o",
+        help="Settings, comma-separated: full, POLICY (with --budget), POLICY@RATIO, POLICY@HEAVY+RECENT; POLICY "
+        "with its options as for h2o-kv serve (a2sf:decay=0.95@0.2).",
     ),
     budget: float = typer.Option(0.2, help="Budget of a POLICY given without one (a ratio of each prompt)."),
     workload: str = typer.Option("decode-heavy", help="decode-heavy, prompt-heavy, chat, decode-step or xsum."),
@@ -325,7 +330,7 @@ def serve_cmd(
     try:
         if workload not in WORKLOADS:
             raise ValueError(f"--workload must be one of {', '.join(WORKLOADS)}, got {workload!r}")
-        settings = [Setting.parse(text, budget) for text in policies.split(",") if text.strip()]
+        settings = [Setting.parse(text, budget) for text in split_specs(policies)]
         if not settings:
             raise ValueError("--policies is empty")
         if kv_cache_gb == "auto":

@@ -9,17 +9,31 @@ from typing import Any
 
 import typer
 
-from ..cli import HELP_STYLE
+from ..cli import HELP_STYLE, HelpGroup, as_options
 from ..registry import split_specs
 from .options import BUDGET, DEVICE, DTYPE, HEAVY, JSON, KV_BITS, MODEL, PEER, POLICY, RECENT, RECONSTRUCT, kv_setting
 
-app = typer.Typer(help="Quality at a given KV setting, on real data.", no_args_is_help=True, **HELP_STYLE)
+app = typer.Typer(
+    help="Quality at a given KV setting, on real data.",
+    cls=HelpGroup,
+    no_args_is_help=True,
+    add_completion=False,
+    **HELP_STYLE,
+)
 
 
 def fail(message: str) -> None:
     """A one-line input error, ``error: message`` on stderr, exit status 2, before any long work (as every command)."""
     typer.echo(f"error: {' '.join(str(message).split())}", err=True)
     raise typer.Exit(2)
+
+
+def _setting(*args, **kwargs):
+    """:func:`~h2o_kv.eval.options.kv_setting`, checked first (a bad name fails before torch is imported)."""
+    try:
+        return kv_setting(*args, **kwargs)
+    except (ValueError, ImportError) as err:  # the library's parameter names as the options
+        fail(as_options(str(err), "budget", "heavy", "recent", "kv_bits", "reconstruct"))
 
 
 def _prepare(make: Callable[[], Any], handle):
@@ -75,6 +89,7 @@ def ppl(
     device: str = DEVICE,
 ):
     """Streaming perplexity: every token a decode step with eviction (one causal forward per chunk if unbounded)."""
+    setting = _setting(policy, budget, heavy, recent, kv_bits=kv_bits)
     from .ppl import PPLJob, run_ppl
     from .runner import ModelHandle
 
@@ -82,7 +97,7 @@ def ppl(
 
     def make():
         job = PPLJob.create(
-            text, tokens, kv_setting(policy, budget, heavy, recent, kv_bits=kv_bits), gutenberg=strip_gutenberg,
+            text, tokens, setting, gutenberg=strip_gutenberg,
             streaming=streaming, window=window, chunk=chunk, token_by_token=token_by_token,
         )  # fmt: skip
         job.token_ids(handle.tokenizer())
@@ -176,13 +191,14 @@ def tasks(
     device: str = DEVICE,
 ):
     """lm-eval tasks (acc, acc_norm, stderr) with the few-shot context compressed to the budget."""
+    setting = _setting(policy, budget, heavy, recent, peer, kv_bits, reconstruct)
     from .runner import ModelHandle
     from .tasks import TasksJob, run_tasks, summary_lines
 
     handle = ModelHandle(model, dtype, device)
     job, loaded = _prepare(
         lambda: TasksJob.create(
-            task_names, kv_setting(policy, budget, heavy, recent, peer, kv_bits, reconstruct),
+            task_names, setting,
             paper_protocol=paper_protocol, num_fewshot=num_fewshot, limit=limit, include_path=include_path or None,
         ),
         handle,
@@ -210,13 +226,14 @@ def xsum(
     device: str = DEVICE,
 ):
     """0-shot XSUM summarization, ROUGE-1/2/L, with the article's cache compressed to the budget."""
+    setting = _setting(policy, budget, heavy, recent, peer, kv_bits, reconstruct)
     from .runner import ModelHandle
     from .xsum import XsumJob, run_xsum
 
     handle = ModelHandle(model, dtype, device)
     job, loaded = _prepare(
         lambda: XsumJob.create(
-            kv_setting(policy, budget, heavy, recent, peer, kv_bits, reconstruct),
+            setting,
             limit=limit,
             raw_prompt=raw_prompt,
             path=data,
@@ -255,6 +272,7 @@ def needle(
     """Needle in a haystack (Paul Graham essays): retrieval score per length and depth under the budget."""
     import json
 
+    setting = _setting(policy, budget, heavy, recent, peer, kv_bits, reconstruct)
     from .needle import NeedleJob, parse_ints, run_needle
     from .runner import ModelHandle
 
@@ -266,7 +284,6 @@ def needle(
             if not path.is_file():
                 raise FileNotFoundError(f"--compare {path} does not exist")
             others.append(json.loads(path.read_text()))
-        setting = kv_setting(policy, budget, heavy, recent, peer, kv_bits, reconstruct)
         parse_ints(lengths, "lengths", 1), parse_ints(depths, "depths", 0, 100)  # before the model loads
         from ..models import model_context_length
 
@@ -310,6 +327,7 @@ def ruler(
     device: str = DEVICE,
 ):
     """RULER-style synthetic suite (needles, variable tracking, common/frequent words), generated from a seed."""
+    setting = _setting(policy, budget, heavy, recent, peer, reconstruct=reconstruct)
     from .needle import parse_ints
     from .ruler import RulerJob, run_ruler
     from .runner import ModelHandle, check_protocol
@@ -317,7 +335,6 @@ def ruler(
     handle = ModelHandle(model, dtype, device)
 
     def make():
-        setting = kv_setting(policy, budget, heavy, recent, peer, reconstruct=reconstruct)
         check_protocol(setting, False)
         from ..models import model_context_length
 

@@ -43,15 +43,8 @@ def cache_kwargs(cache) -> dict:
 
 
 def continuation_kwargs(seen: int, new: int, device) -> dict:
-    """What ``generate`` needs, besides an attention mask over the whole history, to take ``new`` tokens after a cache
-    that has ``seen`` tokens: ``cache_position`` up to 5.17; nothing later (the longer mask says it)."""
-    if _GENERATE_TAKES_CACHE_POSITION:
-        return {"cache_position": torch.arange(seen, seen + new, device=device)}
-    return {}
-
-
-def forward_kwargs(seen: int, new: int, device) -> dict:
-    """What a plain forward needs to run ``new`` tokens after ``seen`` cached ones (positions ``seen + i``)."""
+    """What ``generate`` (besides an attention mask over the whole history) or a plain forward needs to take ``new``
+    tokens after a cache that has ``seen`` (positions ``seen + i``): ``cache_position`` up to 5.17; nothing later."""
     if _GENERATE_TAKES_CACHE_POSITION:
         return {"cache_position": torch.arange(seen, seen + new, device=device)}
     return {}

@@ -127,10 +127,6 @@ class QuantizedSlots:
         """Bytes held: codes, scales, zero points and the full-precision ring."""
         return sum(t.numel() * t.element_size() for t in (*self.parts, self.ring))
 
-    def entry_bytes(self) -> int:
-        """Bytes of one stored entry (codes + its groups' scale and zero), without the ring."""
-        return sum(t[:1, :1, :1].numel() * t.element_size() for t in self.parts)
-
     # -- the layer's buffer operations ----------------------------------------------------------------------------
     def resized(self, slots: int) -> QuantizedSlots:
         """``slots`` slots, the first ``min(old, new)`` kept, new ones zero."""

@@ -12,7 +12,6 @@ directory comes from :mod:`h2o_kv.models` (which imports torch), after the check
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -292,10 +291,3 @@ class ServerProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-def get_json(url: str, api_key: str | None = None, timeout: float = 10) -> dict:
-    """GET ``url`` as JSON (with the bearer key if given)."""
-    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
-    with urllib.request.urlopen(request, timeout=timeout) as response:
-        return json.loads(response.read())
