@@ -215,6 +215,7 @@ def test_cli_rejects_bad_input_before_work(tmp_path):
     assert not (tmp_path / "x.json").exists()
 
 
+@pytest.mark.slow
 @PG19
 @pytest.mark.parametrize("quanto", [False, True])
 def test_kv_memory_defaults_skip_a_missing_extra_before_work(tmp_path, monkeypatch, quanto):

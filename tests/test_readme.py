@@ -64,7 +64,8 @@ def test_docs_python_blocks_run(doc, default_model):
     if reason is not None:
         pytest.skip(reason)
     caught = run_blocks(doc, "__main__")  # __main__: vLLM's example guards its engine start with it
-    assert not unwanted(caught, DeprecationWarning, FutureWarning)  # a chat's short first turn may say its budget
+    ours = [w for w in caught if w.filename.startswith(doc.name) or "h2o_kv" in w.filename]  # not vLLM's own
+    assert not unwanted(ours, DeprecationWarning, FutureWarning)  # a chat's short first turn may say its budget
 
 
 def test_vllm_recipe_is_one_line_that_ci_runs_as_written():
