@@ -19,7 +19,8 @@ import time
 import torch
 from vllm import _custom_ops as vops
 
-from h2o_kv import kernels, records
+from h2o_kv import kernels
+from h2o_kv.harness import records
 from h2o_kv.policies import make_policy
 from h2o_kv.vllm.attention import LayerEntries, PagedCache, RequestEntries, Row, _prefill_batch, prefill_torch
 

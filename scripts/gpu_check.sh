@@ -7,7 +7,7 @@
 #   scripts/gpu_check.sh [--wheels DIR] [--out-dir DIR]   # on the GPU (results/gpu)
 #   scripts/gpu_check.sh --smoke                           # the same steps on a CPU: Triton's interpreter, random:tiny
 #
-# Steps, one JSON record each in OUT_DIR (h2o_kv.records: command, git state, versions, machine with its GPU):
+# Steps, one JSON record each in OUT_DIR (h2o_kv.harness.records: command, git state, versions, machine with its GPU):
 #   1. kernels.json  the Triton kernels against their torch references (tests/gpu_kernels, on CUDA: no interpreter)
 #   2. cache.json    H2OCache on CUDA, decoding with the Triton kernels: the slow reference's tokens and logits
 #                    (tests/reference.py) on a tiny random Llama in fp32; in bf16 against the fp32 reference within
@@ -60,7 +60,7 @@ if missing:
 import torch
 if sys.argv[1] == "cuda" and not torch.cuda.is_available():
     sys.exit("gpu_check.sh: no CUDA device (run --smoke on a CPU)")
-from h2o_kv.data import has_data
+from h2o_kv.harness.data import has_data
 if not has_data("pg19"):
     sys.exit("gpu_check.sh: the benchmark's PG-19 prompts are missing: set H2O_KV_DATA to the shared data folder")
 name = torch.cuda.get_device_name(0) if sys.argv[1] == "cuda" else "CPU (Triton interpreter)"
@@ -75,7 +75,7 @@ pytest_record() {
   "$PY" - "$OUT_DIR/$name.xml" "$OUT_DIR/$name.json" "$name" "$status" "$*" <<'PYEOF'
 import sys, xml.etree.ElementTree as ET
 import torch
-from h2o_kv import records
+from h2o_kv.harness import records
 report, out, name, status, tests = sys.argv[1:]
 cases = []
 for case in ET.parse(report).getroot().iter("testcase"):
@@ -113,7 +113,8 @@ echo "== 4. the largest batch whose KV cache fits $KV_LIMIT_GIB GiB"
 "$PY" - "$OUT_DIR/bench.json" "$OUT_DIR/fit.json" "$KV_LIMIT_GIB" "$DEVICE" <<'PYEOF' || FAILED=1
 import json, math, sys
 import torch
-from h2o_kv import kernels, records
+from h2o_kv import kernels
+from h2o_kv.harness import records
 bench, out, limit_gib, device = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4]
 measured = json.load(open(bench))["records"]
 largest = {}

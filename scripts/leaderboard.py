@@ -27,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from h2o_kv.eval.report import row_name
-from h2o_kv.tables import Estimate, average, markdown, mean, over_groups, paired
+from h2o_kv.harness.tables import Estimate, average, markdown, mean, over_groups, paired
 
 BASELINE = "dynamic"
 

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import argparse
 
-from h2o_kv import records
 from h2o_kv.eval.ruler import TASKS, RulerJob, prompt_segments
 from h2o_kv.eval.runner import KVRunner
+from h2o_kv.harness import records
+from h2o_kv.harness.setting import KVSetting
+from h2o_kv.harness.tables import mean
 from h2o_kv.models import load_model
-from h2o_kv.setting import KVSetting
-from h2o_kv.tables import mean
 
 SUFFIXES = {"+recmax": "max", "+rec": "sum"}
 

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 from h2o_kv.eval.report import row_name
-from h2o_kv.tables import markdown, mean, over_groups
+from h2o_kv.harness.tables import markdown, mean, over_groups
 
 
 def main() -> None:

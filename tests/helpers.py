@@ -51,7 +51,7 @@ def needs_data(*relative: str):
     """Mark a test ``data`` and skip it, naming ``$H2O_KV_DATA``, when the shared data folder lacks ``relative``."""
     import pytest
 
-    from h2o_kv.data import has_data
+    from h2o_kv.harness.data import has_data
 
     missing = [path for path in relative if not has_data(path)]
     reason = (

@@ -15,8 +15,8 @@ from h2o_kv import H2OCache
 from h2o_kv.bench import harness, memory, report, runner, workload
 from h2o_kv.bench.cli import app
 from h2o_kv.bench.harness import BenchConfig
+from h2o_kv.harness.setting import is_bounded
 from h2o_kv.hf.compat import cache_kwargs
-from h2o_kv.setting import is_bounded
 
 PG19 = needs_data("pg19")  # the bench prompts are PG-19 text
 
@@ -217,6 +217,22 @@ def test_cli_rejects_bad_input_before_work(tmp_path):
 
 @pytest.mark.slow
 @PG19
+def test_a_setting_needing_a_missing_extra_is_refused_before_any_work(monkeypatch, tmp_path):
+    """``bench run --policies dynamic --kv-bits 4`` without optimum-quanto: one line naming the extra, exit 2, no
+    traceback, nothing measured (the other setting of the grid would otherwise run first)."""
+    from typer.testing import CliRunner
+
+    from h2o_kv.harness import setting
+
+    monkeypatch.setattr(setting, "_installed", lambda module: False)
+    out = tmp_path / "run.json"
+    result = CliRunner().invoke(app, ["run", "--model", "random:tiny", "--contexts", "32", "--batches", "1",
+                                      "--policies", "h2o,dynamic", "--kv-bits", "4", "--out", str(out)])  # fmt: skip
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert "dynamic-kv4 runs transformers' QuantizedCache (optimum-quanto)" in result.output
+    assert "pip install -e '.[quant-peer]'" in result.output and not out.exists()
+
+
 @pytest.mark.parametrize("quanto", [False, True])
 def test_kv_memory_defaults_skip_a_missing_extra_before_work(tmp_path, monkeypatch, quanto):
     """``bench kv-memory`` with its default settings: without optimum-quanto the QuantizedCache row is skipped in
@@ -225,10 +241,14 @@ def test_kv_memory_defaults_skip_a_missing_extra_before_work(tmp_path, monkeypat
     from typer.testing import CliRunner
 
     from h2o_kv.bench import kv_memory
+    from h2o_kv.harness import setting
 
-    if quanto and not kv_memory.quanto_available():
+    installed = setting._installed
+    if quanto and not installed("optimum.quanto"):
         pytest.skip("optimum-quanto not installed: pip install 'h2o-kv[quant-peer]' (CI job 3 has it)")
-    monkeypatch.setattr(kv_memory, "quanto_available", lambda: quanto)
+    monkeypatch.setattr(
+        setting, "_installed", lambda module: quanto if module == "optimum.quanto" else installed(module)
+    )
     out = tmp_path / "kv.json"
     result = CliRunner().invoke(app, ["kv-memory", "--tokens", "128", "--json", str(out)])  # the default model
     assert result.exit_code == 0, result.output

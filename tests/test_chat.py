@@ -16,7 +16,8 @@ import torch
 from helpers import quiet_generate
 
 from h2o_kv import H2OCache
-from h2o_kv.chat import ChatSession, continue_generation, run_chat
+from h2o_kv.chat import ChatSession, continue_generation
+from h2o_kv.chat_terminal import run_chat
 from h2o_kv.hf.cache import H2OBudgetWarning
 from h2o_kv.models import load_model
 

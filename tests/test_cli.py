@@ -72,7 +72,7 @@ def test_help_and_input_errors_import_neither_torch_nor_transformers(args):
 
 def test_the_cli_modules_import_no_torch():
     """The option modules read the policy registry, never the policies (which import torch)."""
-    modules = ["h2o_kv.cli", "h2o_kv.eval.cli", "h2o_kv.eval.options", "h2o_kv.bench.cli", "h2o_kv.setting",
+    modules = ["h2o_kv.cli", "h2o_kv.eval.cli", "h2o_kv.eval.options", "h2o_kv.bench.cli", "h2o_kv.harness.setting",
                "h2o_kv.registry", "h2o_kv.vllm.config"]  # fmt: skip
     script = f"import importlib, sys\nfor m in {modules}: importlib.import_module(m)\n" + (
         "print(sorted({'torch', 'transformers', 'h2o_kv.policies'} & set(sys.modules)))"

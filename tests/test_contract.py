@@ -10,8 +10,8 @@ import torch
 from helpers import greedy_generate, random_prompt
 
 from h2o_kv import H2OCache, load_model
+from h2o_kv.hf import attention as hf_attention
 from h2o_kv.hf import cache as cache_module
-from h2o_kv.hf import scoring
 from h2o_kv.hf.cache import ATTENTION_CONTRACT, Step
 from h2o_kv.policies import H2O, POLICIES, make_policy
 
@@ -54,13 +54,13 @@ def llama(tiny_models):
 
 def _recorded(monkeypatch):
     layer_seen, step_seen = set(), set()
-    take = scoring.staged_layer
+    take = hf_attention.staged_layer
 
     def recording(key):
         layer = take(key)
         return None if layer is None else LayerRecorder(layer, layer_seen, step_seen)
 
-    monkeypatch.setattr(scoring, "staged_layer", recording)
+    monkeypatch.setattr(hf_attention, "staged_layer", recording)
     return layer_seen, step_seen
 
 

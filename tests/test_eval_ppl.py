@@ -13,11 +13,11 @@ from reference import reference_logits
 from typer.testing import CliRunner
 
 from h2o_kv import H2OCache, load_model
-from h2o_kv.data import data_path, strip_gutenberg
 from h2o_kv.eval.cli import app
 from h2o_kv.eval.ppl import PPLInputError, PPLJob, read_text, streaming_nll, summarize
+from h2o_kv.harness.data import data_path, strip_gutenberg
+from h2o_kv.harness.setting import KVSetting
 from h2o_kv.hf.compat import cache_kwargs
-from h2o_kv.setting import KVSetting
 
 BOOKS = {
     "pg19/pg10146_reminiscences_of_pioneer_days_in_st_paul.txt": "E-text prepared by Josephine Paolucci",

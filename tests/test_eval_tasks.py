@@ -18,8 +18,8 @@ from h2o_kv.eval.options import kv_setting
 from h2o_kv.eval.results import item_log_path
 from h2o_kv.eval.runner import KVRunner, score_continuations
 from h2o_kv.eval.tasks import DEFAULT_TASKS, TasksJob, run_tasks
+from h2o_kv.harness.setting import KVSetting
 from h2o_kv.hf.compat import cache_kwargs
-from h2o_kv.setting import KVSetting
 
 pytest.importorskip("lm_eval", reason="h2o-kv eval tasks needs lm-eval: pip install 'h2o-kv[eval]'")
 pytestmark = pytest.mark.filterwarnings("ignore:H2OCache")

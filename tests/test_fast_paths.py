@@ -3,9 +3,9 @@
 * ``attention_with_mass(key_valid=None)`` (no padding, no free slot: only the causal triangle is masked) equals
   the general mask built from positions and validity; cache-sized score blocks (written into one reused buffer)
   equal one big block.
-* The fused H2O ranking of ``kernels/decode_step.cpp`` (``h2o_victim``) is the Python specification
+* The fused H2O ranking of ``kernels/cpu/decode_step.cpp`` (``h2o_victim``) is the Python specification
   (:class:`h2o_kv.policies.H2O`'s hooks composed by :meth:`Policy.decode_victim`), ties and all-recent rows included;
-  ``tests/vllm/test_paged_decode.py`` checks ``kernels/paged_decode.cpp`` against the same composition.
+  ``tests/serving/test_paged_decode.py`` checks ``kernels/cpu/paged_decode.cpp`` against the same composition.
 * A decode step in the bounded steady state (``H2OLayer._free`` / ``H2OLayer.full``: the free slot is the last
   victim, no counts, no mask, the victim's validity flag cleared lazily) produces what the general step (free-slot
   search, counts, masking) produces.
@@ -18,7 +18,7 @@ import torch
 from helpers import greedy_generate, random_prompt
 
 from h2o_kv import H2OCache, kernels, load_model
-from h2o_kv.hf import scoring
+from h2o_kv.hf import attention as hf_attention
 from h2o_kv.hf.cache import H2OLayer
 from h2o_kv.hf.compat import cache_kwargs
 from h2o_kv.policies import H2O, EntryView, Policy
@@ -42,11 +42,13 @@ def test_unmasked_chunk_and_small_blocks_equal_the_general_path(kept, window):
     query, keys, values, pos, first = _inputs(kept, 40)
     valid = torch.ones_like(pos, dtype=torch.bool)
     args = (query, keys, values, pos)
-    general = scoring.attention_with_mass(*args, valid, first, 0.3, window=window, chunk_start=kept)
-    fast = scoring.attention_with_mass(*args, None, first, 0.3, window=window, chunk_start=kept)
+    general = hf_attention.attention_with_mass(*args, valid, first, 0.3, window=window, chunk_start=kept)
+    fast = hf_attention.attention_with_mass(*args, None, first, 0.3, window=window, chunk_start=kept)
     small = 150 * 8 * 2 * 6  # 150 scores per row block and query head: 3 to 8 rows, more where fewer keys are seen
-    blocks = scoring.attention_with_mass(*args, None, first, 0.3, window=window, chunk_start=kept, chunk_bytes=small)
-    no_skip = scoring.attention_with_mass(*args, valid, first, 0.3, window=window, chunk_bytes=small)  # all keys
+    blocks = hf_attention.attention_with_mass(
+        *args, None, first, 0.3, window=window, chunk_start=kept, chunk_bytes=small
+    )
+    no_skip = hf_attention.attention_with_mass(*args, valid, first, 0.3, window=window, chunk_bytes=small)  # all keys
     for other in (fast, blocks, no_skip):
         for a, b in zip(general, other, strict=True):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
@@ -58,14 +60,16 @@ def test_padded_rows_add_no_mass_in_small_blocks():
     valid[0, :, :7] = False  # left padding of sequence 0
     real = torch.ones(2, 30, dtype=torch.bool)
     real[0, :7] = False
-    whole = scoring.attention_with_mass(query, keys, values, pos, valid, first, 0.3, query_valid=real, chunk_start=0)
-    small = scoring.attention_with_mass(
+    whole = hf_attention.attention_with_mass(
+        query, keys, values, pos, valid, first, 0.3, query_valid=real, chunk_start=0
+    )
+    small = hf_attention.attention_with_mass(
         query, keys, values, pos, valid, first, 0.3, query_valid=real, chunk_start=0, chunk_bytes=100 * 8 * 2 * 6
     )
     for a, b in zip(whole[:2], small[:2], strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     assert whole[1][0, :, :7].abs().max() == 0  # pads receive nothing
-    alone = scoring.attention_with_mass(  # sequence 0 without its pads
+    alone = hf_attention.attention_with_mass(  # sequence 0 without its pads
         query[:1, :, 7:], keys[:1, :, 7:], values[:1, :, 7:], pos[:1, :, 7:], None, first + 7, 0.3, chunk_start=0
     )
     torch.testing.assert_close(whole[0][0, 7:], alone[0][0], atol=1e-5, rtol=1e-5)

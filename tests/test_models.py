@@ -17,8 +17,8 @@ from transformers import (
 )
 
 from h2o_kv import models
+from h2o_kv.hf.attention import ATTENTION_NAME
 from h2o_kv.hf.compat import cache_kwargs
-from h2o_kv.hf.scoring import ATTENTION_NAME
 from h2o_kv.models import (
     DEFAULT_MODEL,
     SUPPORTED_MODEL_TYPES,

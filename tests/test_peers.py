@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from h2o_kv.eval.runner import KVRunner, score_continuations
-from h2o_kv.peers import (
+from h2o_kv.harness.peers import (
     PRESSES,
     compression_ratio,
     kvpress_available,
@@ -19,7 +19,7 @@ from h2o_kv.peers import (
     press_prefill,
     require_kvpress,
 )
-from h2o_kv.setting import KVSetting
+from h2o_kv.harness.setting import KVSetting
 
 # kvpress is imported through require_kvpress only: it undoes kvpress' global patch of every attention function.
 # The peer is optional, but where it must run (CI's kvpress job sets H2O_KV_REQUIRE_PEERS=1) a missing kvpress fails.

@@ -231,6 +231,16 @@ def test_global_budget_keeps_the_model_total_and_the_best_entries(tiny, policy, 
     assert sum(int(layer.valid.sum()) for layer in cache.layers) == n_layers * heads * (capacity + grows)
 
 
+def test_an_evaluation_reports_the_mean_count_a_global_policy_keeps(tiny):
+    """``Session.kept`` (an evaluation record's ``kept``, its ``kv_kept_ratio``) is the mean over layers and heads:
+    a global policy holds the model total at unequal counts, so its largest layer is no measure of its memory."""
+    from h2o_kv.eval.runner import KVRunner
+    from h2o_kv.harness.setting import KVSetting, held_entries
+
+    session = KVRunner(tiny["llama"], KVSetting.of("global_h2o", heavy=6, recent=6)).prefill(random_prompt(48, seed=4))
+    assert session.kept == 12 < held_entries(session.cache)  # the mean is the budget; one layer holds more
+
+
 def test_global_budget_refusals():
     from h2o_kv.registry import ACROSS_LAYERS, POLICY_NAMES
     from h2o_kv.vllm.config import ServeConfig

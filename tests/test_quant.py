@@ -11,9 +11,9 @@ from reference import reference_generate, reference_logits, round_trip
 
 from h2o_kv import H2OCache, kernels, load_model
 from h2o_kv.hf import quant
+from h2o_kv.hf.attention import attention_with_mass
 from h2o_kv.hf.cache import H2OBudgetWarning
 from h2o_kv.hf.compat import cache_kwargs
-from h2o_kv.hf.scoring import attention_with_mass
 
 # tiny models have head_dim 16: two groups of 8 per entry; a 4-column ring so most kept entries are read dequantized
 Q = dict(kv_group_size=8, kv_residual=4)
@@ -262,7 +262,7 @@ def test_cli_kv_bits_errors():
 
 
 def test_setting_carries_kv_bits():
-    from h2o_kv.setting import KVSetting
+    from h2o_kv.harness.setting import KVSetting
 
     setting = KVSetting.of("h2o", budget=0.2, kv_bits=4)
     assert setting.fields()["kv_bits"] == 4 and setting.label == "h2o-kv4"
@@ -280,7 +280,7 @@ def test_quantized_peer_scores_choices_as_one_at_a_time(default_model):
     extra = "the QuantizedCache peer needs the quant-peer extra: pip install 'h2o-kv[quant-peer]'"
     pytest.importorskip("optimum.quanto", reason=extra)
     from h2o_kv.eval.runner import KVRunner, score_continuations
-    from h2o_kv.setting import KVSetting
+    from h2o_kv.harness.setting import KVSetting
 
     model, tokenizer = default_model
     prompt = tokenizer("The capital of France is a city called Paris. " * 12).input_ids

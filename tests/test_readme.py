@@ -48,11 +48,11 @@ def test_readme_python_blocks_run(default_model, capsys):
 
 def requirement(text: str) -> str | None:
     """Why a docs file's blocks cannot run here (None: they can)."""
-    vllm_installed = getattr(importlib.util.find_spec("vllm"), "origin", None) is not None  # not tests/vllm
+    vllm_installed = getattr(importlib.util.find_spec("vllm"), "origin", None) is not None  # not tests/serving
     if re.search(r"^\s*(from|import) vllm\b", text, flags=re.M) and not vllm_installed:
         return "needs vLLM (the README's vLLM recipe; CI job 4 runs these)"
     if "openai import OpenAI" in text:
-        return "a client of a running `h2o-kv serve` (tests/vllm/test_serve_h2o.py runs the same requests over HTTP)"
+        return "a client of a running `h2o-kv serve` (tests/serving/test_serve_h2o.py runs the same requests over HTTP)"
     return None
 
 

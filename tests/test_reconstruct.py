@@ -9,9 +9,9 @@ from typer.testing import CliRunner
 
 from h2o_kv import H2OCache, load_model
 from h2o_kv.budget import Budget
+from h2o_kv.harness.setting import KVSetting
 from h2o_kv.hf.compat import cache_kwargs
 from h2o_kv.hf.reconstruct import REQUEST, Reconstruction, prefill
-from h2o_kv.setting import KVSetting
 
 
 @pytest.fixture(scope="module")

@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 from helpers import needs_data
 
-from h2o_kv import Budget, records
-from h2o_kv.data import ENV, data_dir, data_path, strip_gutenberg
-from h2o_kv.setting import KVSetting
-from h2o_kv.tables import Z95, Estimate, average, markdown, mean, median, over_groups, paired, percentile
+from h2o_kv import Budget
+from h2o_kv.harness import records
+from h2o_kv.harness.data import ENV, data_dir, data_path, strip_gutenberg
+from h2o_kv.harness.setting import KVSetting
+from h2o_kv.harness.tables import Z95, Estimate, average, markdown, mean, median, over_groups, paired, percentile
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -130,7 +130,7 @@ def test_the_registry_imports_no_torch():
 
 
 def test_a_setting_carries_its_policy_options_to_the_cache_and_the_record():
-    from h2o_kv.setting import KVSetting
+    from h2o_kv.harness.setting import KVSetting
 
     setting = KVSetting.of("a2sf:decay=0.5", heavy=2, recent=3)
     assert setting.name == setting.label == "a2sf:decay=0.5" and setting.spec == parse_policy("a2sf:decay=0.5")
@@ -144,7 +144,7 @@ def test_a_setting_carries_its_policy_options_to_the_cache_and_the_record():
 
 def test_records_of_earlier_runs_keep_their_names():
     """A setting at its defaults is named as before options existed, so old records and item logs still match."""
-    from h2o_kv.setting import KVSetting, is_bounded
+    from h2o_kv.harness.setting import KVSetting, is_bounded
 
     assert KVSetting.of("a2sf:decay=0.99", budget=0.2).fields() == KVSetting.of("a2sf", budget=0.2).fields()
     assert KVSetting.of("a2sf", budget=0.2).fields()["policy"] == "a2sf" and "policy_options" not in (
@@ -155,7 +155,7 @@ def test_records_of_earlier_runs_keep_their_names():
 
 
 def test_a_setting_names_the_option_of_a_bad_spec():
-    from h2o_kv.setting import KVSetting, check_name
+    from h2o_kv.harness.setting import KVSetting, check_name
 
     with pytest.raises(ValueError, match=r"^--policies snapkv: kernel must be an odd integer >= 1; got '2'$"):
         check_name("snapkv:kernel=2", "--policies")

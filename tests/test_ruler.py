@@ -14,7 +14,7 @@ from h2o_kv.eval.kinds import KINDS
 from h2o_kv.eval.needle import HAYSTACK_DIR
 from h2o_kv.eval.results import item_log_path
 from h2o_kv.eval.ruler import TASKS, RulerJob, prompt_segments, run_ruler, score_answer, summarize
-from h2o_kv.setting import KVSetting
+from h2o_kv.harness.setting import KVSetting
 
 DYNAMIC = KVSetting("dynamic")
 haystack = needs_data(HAYSTACK_DIR)

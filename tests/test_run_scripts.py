@@ -1,4 +1,4 @@
-"""The scripts around the results: ``results/eval-tasks/run.sh`` reports a failed run in its exit status, and the
+"""The scripts around the results: ``scripts/eval_tasks_run.sh`` reports a failed run in its exit status, and the
 kvpress peer tests fail (instead of skipping) where CI requires the peer."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-RUN_SH = ROOT / "results" / "eval-tasks" / "run.sh"
+RUN_SH = ROOT / "scripts" / "eval_tasks_run.sh"
 
 
 def run_sh(tmp_path, what: str, evaluate: str) -> subprocess.CompletedProcess:
@@ -48,8 +48,8 @@ def test_ci_requires_the_peer_in_its_kvpress_job():
 
 
 def test_quant_run_eval_reports_failures_and_skips_finished_cells(tmp_path):
-    """``results/quant/run_eval.sh``: a failed cell fails the script (named), a finished one is not rerun."""
-    script = ROOT / "results" / "quant" / "run_eval.sh"
+    """``scripts/quant_eval.sh``: a failed cell fails the script (named), a finished one is not rerun."""
+    script = ROOT / "scripts" / "quant_eval.sh"
 
     def run(what: str, evaluate: str, only: str = "") -> subprocess.CompletedProcess:
         env = {**os.environ, "OUT": str(tmp_path), "EVAL": evaluate, "ONLY": only}

@@ -9,13 +9,13 @@ import pytest
 from helpers import needs_data
 from typer.testing import CliRunner
 
-from h2o_kv import records
-from h2o_kv.data import data_path
 from h2o_kv.eval.cli import app
 from h2o_kv.eval.kinds import KINDS, Kind, register_kind
 from h2o_kv.eval.report import build_report, load_records
 from h2o_kv.eval.runner import ModelHandle
 from h2o_kv.eval.sweep import cell_name, parse_options, plan_cells, run_sweep
+from h2o_kv.harness import records
+from h2o_kv.harness.data import data_path
 
 BOOK = "pg19/pg10321_dragons_blood.txt"
 pytestmark = pytest.mark.filterwarnings("ignore:H2OCache")

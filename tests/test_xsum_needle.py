@@ -13,7 +13,7 @@ from h2o_kv.eval.needle import HAYSTACK_DIR, KEYWORDS, NEEDLE, NeedleJob, plot_h
 from h2o_kv.eval.results import item_log_path
 from h2o_kv.eval.runner import KVRunner
 from h2o_kv.eval.xsum import XSUM_FILE, XsumJob, read_xsum, rouge_scores, run_xsum
-from h2o_kv.setting import KVSetting
+from h2o_kv.harness.setting import KVSetting
 
 pytest.importorskip("rouge_score", reason="h2o-kv eval xsum needs rouge-score: pip install 'h2o-kv[eval]'")
 DYNAMIC = KVSetting("dynamic")

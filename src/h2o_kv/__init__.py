@@ -19,8 +19,8 @@ _LAZY = {  # (module, name): importing torch and transformers takes seconds, so 
     "POLICIES": ("h2o_kv.policies", "POLICIES"),
     "Policy": ("h2o_kv.policies", "Policy"),
     "H2OCache": ("h2o_kv.hf.cache", "H2OCache"),
-    "ATTENTION_NAME": ("h2o_kv.hf.scoring", "ATTENTION_NAME"),
-    "register_attention": ("h2o_kv.hf.scoring", "register_attention"),
+    "ATTENTION_NAME": ("h2o_kv.hf.attention", "ATTENTION_NAME"),
+    "register_attention": ("h2o_kv.hf.attention", "register_attention"),
     "load_model": ("h2o_kv.models", "load_model"),
     "enable_h2o": ("h2o_kv.models", "enable_h2o"),
 }

@@ -1,4 +1,4 @@
-"""Multi-turn generation on one bounded cache, and the ``h2o-kv chat`` terminal chat.
+"""Multi-turn generation on one bounded cache: the chat API.
 
 * :func:`continue_generation` - ``model.generate`` for the *new* tokens of a turn on a cache that already holds
   the conversation (Hugging Face's ``generate`` otherwise expects the full token history as ``input_ids``).
@@ -7,15 +7,13 @@
   re-rotated at their place inside the cache (:mod:`h2o_kv.hf.rotary`), so a conversation of any length runs in
   bounded memory and never leaves the model's trained positions (StreamingLLM, arXiv:2309.17453; the H2O paper's
   streaming variant, arXiv:2306.14048).
-* :func:`run_chat` - the loop of the command ``h2o-kv chat`` (``h2o_kv.cli``; also ``python -m h2o_kv.chat``):
-  status line per turn, ``/reset``, ``/stats``, ``/quit``; works with piped stdin; Ctrl-C stops the current reply,
-  not the session.
+
+The terminal loop of ``h2o-kv chat`` is :mod:`h2o_kv.chat_terminal`.
 """
 
 from __future__ import annotations
 
 import signal
-import sys
 import threading
 import time
 import warnings
@@ -297,71 +295,3 @@ class ChatSession:
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:.2f} MiB"
-
-
-HELP = "commands: /reset (forget the conversation), /stats (cache details), /quit (or Ctrl-D), /help"
-
-
-def run_chat(session: ChatSession, stdin: TextIO | None = None, out: TextIO | None = None) -> int:
-    """The read-eval-print loop. Returns the number of turns answered. Never exits on a bad line."""
-    stdin = stdin or sys.stdin
-    out = out or sys.stdout
-    echo = not stdin.isatty()  # piped input: show what was read, so the transcript reads like a session
-    answered = 0
-    out.write(f"h2o-kv chat - {HELP}\n")
-    while True:
-        out.write("you> ")
-        out.flush()
-        try:
-            line = stdin.readline()
-        except KeyboardInterrupt:
-            out.write("\n(Ctrl-C at the prompt does nothing; /quit or Ctrl-D to leave)\n")
-            continue
-        except (UnicodeDecodeError, ValueError) as err:
-            out.write(f"\n(could not read that line: {err}; ignored)\n")
-            continue
-        if not line:  # EOF
-            out.write("\n")
-            break
-        line = line.rstrip("\r\n")
-        if echo:
-            out.write(line + "\n")
-        command = line.strip()
-        if not command:
-            out.write("(empty message ignored: type some text, or /quit)\n")
-            continue
-        if command.startswith("/"):
-            name = command.split()[0].lower()
-            if name in ("/quit", "/exit"):
-                break
-            if name == "/reset":
-                session.reset()
-                out.write("(conversation forgotten; the cache is empty)\n")
-            elif name == "/stats":
-                for key, value in session.stats().items():
-                    out.write(f"  {key}: {value}\n")
-            elif name == "/help":
-                out.write(HELP + "\n")
-            else:
-                out.write(f"(unknown command {name!r}; {HELP})\n")
-            continue
-        out.write("bot> ")
-        out.flush()
-        try:
-            result = session.send(line, out=out)
-        except KeyboardInterrupt:
-            out.write("\n(interrupted; the conversation was reset)\n")
-            session.reset()
-            continue
-        except Exception as err:  # one bad turn must not end the session
-            out.write(f"\n(error: {type(err).__name__}: {err}; the conversation was reset)\n")
-            continue
-        answered += 1
-        out.write("\n" + session.status_line(result) + "\n")
-    return answered
-
-
-if __name__ == "__main__":  # python -m h2o_kv.chat: the same as h2o-kv chat
-    from .cli import app
-
-    app(["chat", *sys.argv[1:]], prog_name="h2o-kv")

@@ -367,7 +367,7 @@ def generate(
     )
     print(("\n" if not quiet else "") + summary, file=sys.stdout)
     if json_path is not None:
-        from . import records
+        from .harness import records
 
         fields = {
             "policy": spec.label, "budget": budget, "kv_bits": kv_bits, "model": model or "SmolLM2-135M-Instruct",
@@ -427,7 +427,8 @@ def chat(
     if not 0 < top_p <= 1:
         raise fail(f"--top-p must be in (0, 1], got {top_p}")
     with Notes():
-        from .chat import ChatSession, run_chat
+        from .chat import ChatSession
+        from .chat_terminal import run_chat
 
         loaded, tokenizer = load(model, dtype, device)
         try:

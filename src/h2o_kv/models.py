@@ -79,7 +79,7 @@ def enable_h2o(model):
     starts evicting once generation runs with an H2O cache.
     """
     check_supported(model.config)
-    from h2o_kv.hf.scoring import ATTENTION_NAME, register_attention
+    from h2o_kv.hf.attention import ATTENTION_NAME, register_attention
 
     register_attention()
     model.set_attn_implementation(ATTENTION_NAME)

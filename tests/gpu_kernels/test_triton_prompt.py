@@ -11,7 +11,7 @@ from .interpreter import INTERPRET, require_triton
 
 require_triton()
 
-from h2o_kv.hf.scoring import attention_with_mass  # noqa: E402
+from h2o_kv.hf.attention import attention_with_mass  # noqa: E402
 from h2o_kv.kernels.triton import prompt, reference  # noqa: E402
 
 
@@ -53,7 +53,7 @@ def test_prompt_mass_matches_reference(device, dtype):
 
 
 def test_prompt_mass_is_the_transformers_backends_mass(device):
-    """One sequence: the same per-key mass as :func:`h2o_kv.hf.scoring.attention_with_mass` computes."""
+    """One sequence: the same per-key mass as :func:`h2o_kv.hf.attention.attention_with_mass` computes."""
     query, key, cu_q, cu_k = _packed(device, torch.float32, [45], [45], kv_heads=2, group=3, dim=16, seed=1)
     mass = prompt.prompt_mass(query, key, _lse(query, key, cu_q, cu_k, 0.25), cu_q, cu_k, 0.25)
     q, k = query.transpose(0, 1)[None], key.transpose(0, 1)[None]

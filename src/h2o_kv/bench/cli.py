@@ -9,8 +9,8 @@ from rich.console import Console
 
 from ..budget import Budget
 from ..cli import BUDGET_METAVAR, HELP_STYLE, HelpGroup, as_options, fail
+from ..harness.setting import check_name, is_bounded
 from ..registry import split_specs
-from ..setting import check_name, is_bounded
 
 app = typer.Typer(help="Benchmark decode speed, end-to-end throughput and memory of KV settings.",
                   cls=HelpGroup, no_args_is_help=True, add_completion=False, **HELP_STYLE)  # fmt: skip
@@ -151,6 +151,11 @@ def run_cmd(
         raise fail(f"--contexts/--new-tokens: prompt {max(context_list)} + {new_tokens} new tokens exceeds the model's "
                    f"{limit} positions")  # fmt: skip
     grid = build_grid(context_list, batch_list, policy_list, new_tokens, budget, prefill_batch, bits_list)
+    try:
+        for config in grid:  # an extra a setting needs is missing: say so before the first measurement
+            config.setting.require_extras("--policies/--kv-bits")
+    except ValueError as err:
+        raise fail(str(err)) from None
     settings = RunSettings(model=model, device=device, dtype=dtype, threads=threads, repeats=repeats,
                            isolate=isolate, lock=lock)  # fmt: skip
     try:
@@ -189,7 +194,7 @@ def report_cmd(
     baseline: str = typer.Option("dynamic", help="The unbounded setting the ratios are taken against."),
 ):
     """Print the markdown table and the bytes-moved model of result files (merged); optionally plot them."""
-    from ..tables import markdown
+    from ..harness.tables import markdown
     from .report import bytes_model, load, markdown_table, summarise
     from .report import plot as make_plot
 
@@ -229,7 +234,7 @@ def kv_memory_cmd(
 ):
     """The KV memory to hold N tokens of context: full, h2o, h2o + 8/4-bit, transformers' QuantizedCache 4-bit,
     counted from caches the model builds (fp32, CPU, batch 1)."""
-    from .. import records
+    from ..harness import records
     from .kv_memory import SETTINGS, markdown, run
 
     length_list, budget = _int_list(tokens, "--tokens"), _ratio(budget)
@@ -265,7 +270,7 @@ def profile_cmd(
     import torch
     from transformers.utils import logging as hf_logging
 
-    from .. import records
+    from ..harness import records
     from .harness import BenchConfig
     from .profile import profile_decode
     from .runner import cpu_lock
@@ -325,7 +330,8 @@ def serve_cmd(
     out: pathlib.Path = typer.Option(..., help="Results: OUT_<setting>.json per setting, OUT.md, OUT.png."),
 ):
     """Measure serving throughput (the help text is above)."""
-    from .serve import WORKLOADS, ServeBench, Setting, comparison_table, plot, transformers_rows
+    from .serve import WORKLOADS, ServeBench, Setting
+    from .serve_report import comparison_table, plot, transformers_rows
 
     try:
         if workload not in WORKLOADS:
@@ -375,7 +381,7 @@ def soak_cmd(
     import secrets
     import tempfile
 
-    from .. import records
+    from ..harness import records
     from ..vllm.serve import ServeOptions, ServerProcess, describe, plugin_installed
     from .serve import Setting, vllm_versions
     from .soak import SoakConfig, run_soak

@@ -7,14 +7,14 @@ logits. End-of-sequence tokens are ignored, so every configuration generates exa
 tokens. Positions are passed explicitly, which keeps RoPE right for caches that are shorter than the text (the
 kvpress presses compress a ``DynamicCache`` after prefill).
 
-A configuration's cache is a :class:`~h2o_kv.setting.KVSetting`:
+A configuration's cache is a :class:`~h2o_kv.harness.setting.KVSetting`:
 
 * ``dynamic``: the stock stack, ``DynamicCache`` with SDPA attention (h2o-kv's attention function is not used);
 * an h2o-kv policy (``h2o``, ``local``, ``sink``, ..., ``full``): :class:`~h2o_kv.H2OCache` with ``budget`` (the H2O
   paper's "20%": :meth:`~h2o_kv.Budget.split` of the prompt) or explicit ``heavy``/``recent``, and the ``"h2o"``
   attention; ``full`` (no eviction) measures h2o-kv's own frame;
 * ``kvpress:<press>`` (``kvpress:observed_attention``, ``kvpress:snapkv``, ...): NVIDIA kvpress compressing the
-  prompt's ``DynamicCache`` to the same number of entries, once, after prefill (:mod:`h2o_kv.peers`).
+  prompt's ``DynamicCache`` to the same number of entries, once, after prefill (:mod:`h2o_kv.harness.peers`).
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from ..harness.setting import KVSetting, held_entries
+from ..harness.tables import percentile
 from ..hf.compat import cache_kwargs
-from ..setting import KVSetting, held_entries
-from ..tables import percentile
 from .memory import PeakMemory, cache_bytes
 from .workload import LoadedModel, make_prompts
 
@@ -108,7 +108,7 @@ class _Run:
         if press is None:
             yield
             return
-        from ..peers import compression_ratio, press_context
+        from ..harness.peers import compression_ratio, press_context
 
         ratio = compression_ratio(self.context, self.setting.entries(self.context))
         with press_context(self.model, press, ratio, self.context):

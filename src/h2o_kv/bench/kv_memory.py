@@ -16,24 +16,18 @@ from typing import Any
 
 import torch
 
+from ..harness.setting import KVSetting
 from ..hf.compat import cache_kwargs
-from ..setting import KVSetting
 from .memory import cache_bytes
 from .workload import load_bench_model, make_prompts
 
 SETTINGS = ("dynamic", "h2o", "h2o-kv8", "h2o-kv4", "dynamic-kv4")
 
 
-def quanto_available() -> bool:
-    """Whether transformers' ``QuantizedCache`` can run here (optimum-quanto, the ``quant-peer`` extra)."""
-    from transformers.utils import is_optimum_quanto_available
-
-    return is_optimum_quanto_available()
-
-
 def missing_extras(labels) -> dict[str, str]:
     """label -> the extra it needs and this environment lacks (``dynamic-kvB``: transformers' quanto cache)."""
-    return {label: "quant-peer" for label in labels if label.startswith("dynamic-kv") and not quanto_available()}
+    missing = {label: setting_of(label, 0.2).missing_extra() for label in labels}
+    return {label: extra for label, extra in missing.items() if extra is not None}
 
 
 def setting_of(label: str, budget: float) -> KVSetting:

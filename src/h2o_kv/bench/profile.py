@@ -8,7 +8,7 @@ The step is split with wall-clock timers around the cache's entry points (the mo
   alternating order);
 * victim choice: :meth:`H2OLayer.evict` (the policy folds the mass into its scores and ranks; the lowest entry's slot
   is freed; H2O's fused CPU kernel does the score addition and the choice in one pass);
-* attention: :func:`h2o_kv.hf.scoring.attention_with_mass` without the mass reduction;
+* attention: :func:`h2o_kv.hf.attention.attention_with_mass` without the mass reduction;
 * the rest: projections, MLPs, norms, RoPE, the LM head and Python overhead.
 
 Eviction bookkeeping = slot write + score update + victim choice. A ``torch.profiler`` table of the hottest
@@ -31,13 +31,13 @@ from .workload import LoadedModel, make_prompts
 
 @contextlib.contextmanager
 def _timers(totals: Counter, *, paired_mass: bool = False):
+    from h2o_kv.hf import attention as hf_attention
     from h2o_kv.hf import cache as cache_mod
-    from h2o_kv.hf import scoring
 
     originals = {
         (cache_mod.H2OLayer, "append"): cache_mod.H2OLayer.append,
         (cache_mod.H2OLayer, "evict"): cache_mod.H2OLayer.evict,
-        (scoring, "attention_with_mass"): scoring.attention_with_mass,
+        (hf_attention, "attention_with_mass"): hf_attention.attention_with_mass,
     }
 
     def timed(label, fn):
@@ -49,7 +49,7 @@ def _timers(totals: Counter, *, paired_mass: bool = False):
 
         return wrapper
 
-    attention = originals[(scoring, "attention_with_mass")]
+    attention = originals[(hf_attention, "attention_with_mass")]
 
     calls = [0]
 
@@ -73,7 +73,7 @@ def _timers(totals: Counter, *, paired_mass: bool = False):
 
     cache_mod.H2OLayer.append = timed("append", originals[(cache_mod.H2OLayer, "append")])
     cache_mod.H2OLayer.evict = timed("evict", originals[(cache_mod.H2OLayer, "evict")])
-    scoring.attention_with_mass = paired_attention_timed if paired_mass else timed("attention", attention)
+    hf_attention.attention_with_mass = paired_attention_timed if paired_mass else timed("attention", attention)
     try:
         yield
     finally:

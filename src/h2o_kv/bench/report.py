@@ -1,7 +1,7 @@
 """Summaries of bench results: medians over repeats, ratios against a baseline setting (``dynamic`` by default), a
 markdown table, the plot, and the bytes-moved model of a decode step.
 
-What each number is: a row's metrics are **medians over its repeats** (:func:`h2o_kv.tables.median`); ``decode
+What each number is: a row's metrics are **medians over its repeats** (:func:`h2o_kv.harness.tables.median`); ``decode
 tok/s`` is generated tokens over the summed step times (a **mean** over steps), ``p50``/``p99`` are percentiles of the
 step times; the ``decode`` ratio is a ratio of those mean rates, ``decode p50`` the ratio of median step times.
 """
@@ -13,9 +13,9 @@ import pathlib
 import statistics
 from collections import defaultdict
 
-from ..records import bounded
-from ..setting import PRESS_PREFIX
-from ..tables import markdown, median
+from ..harness.records import bounded
+from ..harness.setting import PRESS_PREFIX
+from ..harness.tables import markdown, median
 
 MiB = 2**20
 METRICS = (

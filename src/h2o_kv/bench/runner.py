@@ -1,7 +1,7 @@
 """Running a benchmark grid: alternating order, repeats, a fresh process per measurement, a shared CPU lock,
 incremental JSON results (resumable), and the largest batch that fits a KV-memory limit.
 
-A results file is one bench record (:mod:`h2o_kv.records`): ``{"schema", "kind": "bench", "runs": [...],
+A results file is one bench record (:mod:`h2o_kv.harness.records`): ``{"schema", "kind": "bench", "runs": [...],
 "records": [...]}``. Every invocation that writes into the file appends its ``run`` (command as typed, code revision,
 kernels, versions, machine, the model and options) and each measurement names the run that made it.
 """
@@ -21,8 +21,8 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
-from .. import records
-from ..setting import check_name, is_bounded
+from ..harness import records
+from ..harness.setting import check_name, is_bounded
 from .harness import BenchConfig
 from .memory import parse_bytes
 from .worker import RESULT_PREFIX
@@ -273,7 +273,7 @@ def fit_runs(
 
 
 def run_info(settings: RunSettings, grid: list[BenchConfig]) -> dict:
-    """This invocation's entry in the results file: :func:`h2o_kv.records.provenance` plus the run's options."""
+    """This invocation's entry in the results file: :func:`h2o_kv.harness.records.provenance` plus the run's options."""
     from .workload import resolve_device
 
     device = resolve_device(settings.device)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..data import data_path, strip_gutenberg
+from ..harness.data import data_path, strip_gutenberg
 
 PG19_BOOKS = ("pg10146_reminiscences_of_pioneer_days_in_st_paul.txt", "pg10321_dragons_blood.txt")
 
@@ -51,7 +51,8 @@ RANDOM_SHAPES: dict[str, dict] = {
 
 
 def pg19_text() -> str:
-    """The PG-19 books' text without the Project Gutenberg header and licence (:func:`h2o_kv.data.strip_gutenberg`)."""
+    """The PG-19 books' text without the Project Gutenberg header and licence
+    (:func:`h2o_kv.harness.data.strip_gutenberg`)."""
     parts = []
     for name in PG19_BOOKS:
         text = data_path(f"pg19/{name}").read_text(encoding="utf-8", errors="replace").replace("\r\n", "\n")

@@ -3,7 +3,8 @@
 A kind is a :class:`Kind`: ``prepare(options, models) -> settings`` validates the kind's own options (strings as
 typed on the command line, e.g. ``{"text": "book.txt", "tokens": "4096", "strip_gutenberg": True}``) before
 anything slow happens and raises ``ValueError`` naming the bad option; ``check_cell(settings, setting)`` (optional)
-raises if one cell's :class:`~h2o_kv.setting.KVSetting` cannot run (called for every cell before the first runs);
+raises if one cell's :class:`~h2o_kv.harness.setting.KVSetting`
+cannot run (called for every cell before the first runs);
 ``run_cell(settings, setting, json_path, models, progress) -> record`` runs one cell and writes its result JSON
 (``progress(n)`` advances the cell's progress bar by ``n`` tokens or items).
 

@@ -25,7 +25,7 @@ from typing import Any
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
-from ..setting import KVSetting
+from ..harness.setting import KVSetting
 from .options import kv_setting
 from .prompts import generate_text
 from .results import ItemLog
@@ -51,7 +51,8 @@ class H2OKVLM(TemplateLM):
 
     Pass a loaded ``model``/``tokenizer`` (``h2o_kv.load_model()``), or ``pretrained`` (a name or directory for
     :func:`h2o_kv.load_model`) when lm-eval builds it from ``--model h2o-kv --model_args pretrained=..,policy=h2o,
-    budget=0.2``. The KV setting is ``setting`` (a :class:`~h2o_kv.setting.KVSetting`) or the options ``policy``,
+    budget=0.2``. The KV setting is ``setting`` (a :class:`~h2o_kv.harness.setting.KVSetting`)
+    or the options ``policy``,
     ``peer`` (a kvpress press), ``budget``/``heavy``/``recent`` as on the command line. ``item_log`` (a path) makes a
     run resumable.
     """

@@ -9,9 +9,9 @@ from typing import Any
 
 import typer
 
-from ..peers import PRESSES
+from ..harness.peers import PRESSES
+from ..harness.setting import DYNAMIC, PRESS_PREFIX, KVSetting, check_name
 from ..registry import BOUNDED_POLICIES, options_help
-from ..setting import DYNAMIC, PRESS_PREFIX, KVSetting, check_name
 
 MODEL = typer.Option(None, "--model", help="Model name or local directory (default: the embedded default model).")
 DTYPE = typer.Option(None, "--dtype", help="float32 (CPU default), bfloat16, float16.")
@@ -63,7 +63,7 @@ def kv_setting(
 ) -> KVSetting:
     """The KV setting of the command-line options: ``--policy`` (default ``h2o``) or ``--peer PRESS``; ``--kv-bits``."""
     if peer is not None:
-        from ..peers import check_press
+        from ..harness.peers import check_press
 
         if policy is not None:
             raise ValueError(f"--peer {peer} replaces --policy; give one of them (got --policy {policy})")

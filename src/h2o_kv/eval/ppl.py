@@ -27,11 +27,11 @@ from typing import Any
 
 import torch
 
-from ..data import sha256, strip_gutenberg
+from ..harness.data import sha256, strip_gutenberg
+from ..harness.setting import KVSetting
+from ..harness.tables import mean
 from ..hf.compat import cache_kwargs
 from ..policies import make_policy
-from ..setting import KVSetting
-from ..tables import mean
 from .options import check_options, option_int
 from .results import finish_result
 
@@ -43,7 +43,8 @@ class PPLInputError(ValueError):
 
 
 def read_text(path: str | Path, gutenberg: bool = False) -> str:
-    """Read a UTF-8 text file with universal newlines (CRLF -> LF), optionally :func:`~h2o_kv.data.strip_gutenberg`."""
+    """Read a UTF-8 text file with universal newlines (CRLF -> LF), optionally
+    :func:`~h2o_kv.harness.data.strip_gutenberg`."""
     path = Path(path)
     if not path.is_file():
         raise PPLInputError(f"--text: file {path} does not exist")

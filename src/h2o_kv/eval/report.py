@@ -1,14 +1,14 @@
 """Turn result records into markdown: tables (rows setting, columns budget, one table per metric), paired comparisons
 with a baseline setting, and plots (quality vs budget, one line per setting; external peers such as kvpress dashed).
 
-Conventions read from each record (:mod:`h2o_kv.records`):
+Conventions read from each record (:mod:`h2o_kv.harness.records`):
 
 * ``metrics``: numeric values; ``<m>_stderr`` (a standard error) or ``<m>_ci`` (``[low, high]``) next to a metric
   ``<m>`` are shown with it; ``primary_metric`` names the plotted one, ``lower_is_better`` its direction.
 * records are grouped by ``(kind, label, model)``; ``peer: true`` marks an external implementation; an unbounded
   setting (``dynamic``, ``full``; ``bounded: false``) is the baseline of every budget.
 * ``cache.peak_kv_tokens``: the most KV entries a layer held, shown in its own table;
-* paired comparisons (:mod:`h2o_kv.tables`): perplexity from ``block_nll`` (block means of the per-token NLL,
+* paired comparisons (:mod:`h2o_kv.harness.tables`): perplexity from ``block_nll`` (block means of the per-token NLL,
   change in perplexity with a 95% batch-means interval); lm-eval tasks from ``items[task][acc|acc_norm]``; XSUM
   from ``items[rouge*]`` (mean of item-by-item differences ± its standard error).
 """
@@ -23,8 +23,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from .. import records as rec
-from ..tables import Estimate, average, markdown, paired
+from ..harness import records as rec
+from ..harness.tables import Estimate, average, markdown, paired
 
 SKIP_SUFFIXES = ("_stderr", "_ci")
 

@@ -1,4 +1,5 @@
-"""Finishing an evaluation run: its result record (:mod:`h2o_kv.records`) and the item log that makes it resumable.
+"""Finishing an evaluation run: its result record (:mod:`h2o_kv.harness.records`) and the item log that makes it
+resumable.
 
 Per-item progress goes to a JSONL file next to the result JSON (:class:`ItemLog`), so an interrupted run resumes
 without redoing finished items; the log is deleted once the result is written.
@@ -10,8 +11,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .. import records
-from ..setting import KVSetting
+from ..harness import records
+from ..harness.setting import KVSetting
 
 
 def item_log_path(json_path: str | Path) -> Path:

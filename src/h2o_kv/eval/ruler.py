@@ -37,9 +37,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..data import sha256
-from ..setting import KVSetting
-from ..tables import average, mean
+from ..harness.data import sha256
+from ..harness.setting import KVSetting
+from ..harness.tables import average, mean
 from .needle import HAYSTACK_DIR, haystack_files, parse_ints
 from .options import check_options, option_int
 from .prompts import has_chat_template

@@ -1,4 +1,4 @@
-"""The evaluation runner: a model under one :class:`~h2o_kv.setting.KVSetting` - prefill a prompt, extend it
+"""The evaluation runner: a model under one :class:`~h2o_kv.harness.setting.KVSetting` - prefill a prompt, extend it
 stepwise, generate greedily. Shared by the lm-eval tasks, XSUM and the needle test.
 
 * A bounded h2o-kv policy compresses the prompt to its budget after the prefill (the budget is a ratio of the prompt
@@ -8,7 +8,7 @@ stepwise, generate greedily. Shared by the lm-eval tasks, XSUM and the needle te
 * An unbounded setting (``dynamic``, ``full``) evicts nothing, so one causal forward per chunk is exact.
 * With ``reconstruct`` the prompt's entries are scored by KVzip's context-reconstruction request
   (:mod:`h2o_kv.hf.reconstruct`), in the same prefill forward; the policy then works as above.
-* A kvpress press compresses the prompt once (:mod:`h2o_kv.peers`) and never evicts afterwards.
+* A kvpress press compresses the prompt once (:mod:`h2o_kv.harness.peers`) and never evicts afterwards.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from typing import Any
 import torch
 from transformers import QuantizedCache
 
+from ..harness.peers import press_expand, press_extend, press_prefill, require_kvpress
+from ..harness.setting import KVSetting, mean_entries
 from ..hf.compat import cache_kwargs
-from ..peers import press_expand, press_extend, press_prefill, require_kvpress
-from ..setting import KVSetting, held_entries
 
 
 class ModelHandle:
@@ -74,12 +74,12 @@ class Session:
     cache: Any
     logits: torch.Tensor = field(repr=False)  # [batch, vocab]
     context_length: int
-    kept: int  # KV entries per layer and head after the prefill
+    kept: int  # KV entries per layer and KV head after the prefill, averaged over them
     press_state: Any = None
 
 
 class KVRunner:
-    """Prefill a prompt, extend it, generate greedily - under one :class:`~h2o_kv.setting.KVSetting`."""
+    """Prefill a prompt, extend it, generate greedily - under one :class:`~h2o_kv.harness.setting.KVSetting`."""
 
     def __init__(self, model, setting: KVSetting, *, paper_protocol: bool = False, tokenizer=None):
         check_protocol(setting, paper_protocol)
@@ -125,7 +125,7 @@ class KVRunner:
         if setting.bounded:
             cache.select_across_layers()  # an across-layers policy's selection, now that every layer has scored
             cache.stepwise = True  # from here on every token is a decode step with eviction
-        return Session(cache, logits, length, held_entries(cache))
+        return Session(cache, logits, length, mean_entries(cache))
 
     @torch.no_grad()
     def extend(self, session: Session, ids: torch.Tensor) -> torch.Tensor:

@@ -25,8 +25,8 @@ from typing import Any
 
 import typer
 
-from ..data import data_path, sha256, strip_gutenberg
-from ..records import bounded
+from ..harness.data import data_path, sha256, strip_gutenberg
+from ..harness.records import bounded
 
 BOOKS = ("pg19/pg10146_reminiscences_of_pioneer_days_in_st_paul.txt", "pg19/pg10321_dragons_blood.txt")
 WIKITEXT = "wikitext2/wiki.test.raw.crlf_noblank.txt"
@@ -81,7 +81,7 @@ def run_one(model, tokenizer, text: Path, label, policy, size, streaming, tokens
     """One perplexity run with a KV-memory trace; writes ``out/<label>.json`` and returns the record."""
     from rich.progress import Progress
 
-    from ..setting import KVSetting
+    from ..harness.setting import KVSetting
     from .ppl import PPLJob, run_ppl
 
     half = None if size is None else size // 2
@@ -133,7 +133,7 @@ def run(
         policy_list = [p.strip() for p in policies.split(",") if p.strip()]
         if not size_list or min(size_list) < 2:
             raise ValueError(f"--sizes must be integers >= 2, got {sizes!r}")
-        from ..setting import KVSetting
+        from ..harness.setting import KVSetting
 
         for policy in policy_list:
             if not KVSetting.of(policy, heavy=1, recent=1, option="--policies").bounded:

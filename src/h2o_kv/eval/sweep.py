@@ -15,8 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .. import records
-from ..setting import KVSetting, check_name, is_bounded
+from ..harness import records
+from ..harness.setting import KVSetting, check_name, is_bounded
 from .kinds import KINDS
 from .runner import ModelHandle
 
@@ -102,8 +102,9 @@ def run_sweep(
     spec = KINDS[kind]
     cells = plan_cells(names, budgets)
     settings = spec.prepare(dict(options), models)
-    if spec.check_cell is not None:
-        for cell in cells:  # every cell is validated before the first one runs
+    for cell in cells:  # every cell is validated before the first one runs
+        cell.require_extras("--policies")
+        if spec.check_cell is not None:
             spec.check_cell(settings, cell)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
 """lm-eval-harness tasks under a KV budget (``h2o-kv eval tasks``): task loading, the run, its result record.
 
-The task YAMLs in ``task_configs/`` read the local files of the shared data folder (:mod:`h2o_kv.data`: PIQA,
+The task YAMLs in ``task_configs/`` read the local files of the shared data folder (:mod:`h2o_kv.harness.data`: PIQA,
 OpenBookQA, RTE, MathQA, HellaSwag, LAMBADA) with lm-eval's original prompts and metrics; any folder of user task
 YAMLs can be added with ``include_path``. Scoring is lm-eval's, through the model class
 :class:`~h2o_kv.eval.lm_eval_model.H2OKVLM` (the protocol is described there).
@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..data import data_path, sha256
-from ..setting import KVSetting
+from ..harness.data import data_path, sha256
+from ..harness.setting import KVSetting
 from .options import check_options, option_int
 from .results import finish_result, item_log_path
 from .runner import check_protocol
@@ -185,7 +185,7 @@ def run_tasks(
     """
     from lm_eval import simple_evaluate
 
-    from ..tables import Estimate, average
+    from ..harness.tables import Estimate, average
     from .lm_eval_model import H2OKVLM
 
     _quiet()

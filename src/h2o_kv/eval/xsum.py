@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..data import data_path, sha256
-from ..setting import KVSetting
-from ..tables import mean
+from ..harness.data import data_path, sha256
+from ..harness.setting import KVSetting
+from ..harness.tables import mean
 from .options import check_options, option_int, option_path
 from .prompts import chat_prompt_ids, generate_text, has_chat_template
 from .results import ItemLog, finish_result, item_log_path

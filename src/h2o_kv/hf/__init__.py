@@ -1,1 +1,1 @@
-"""The transformers backend: the exact reference (cache.py, slots.py, scoring.py), streaming (rotary.py), compat.py."""
+"""The transformers backend: the exact reference (cache.py, slots.py, attention.py), streaming (rotary.py), compat."""

@@ -7,7 +7,7 @@ mask is built from ``pos`` and ``valid``. :class:`~h2o_kv.hf.slots.Slots` is tha
 adds the per-step operations.
 
 **The per-step contract** (the whole interface between this module, the attention function
-:mod:`h2o_kv.hf.scoring` and the policies :mod:`h2o_kv.policies`):
+:mod:`h2o_kv.hf.attention` and the policies :mod:`h2o_kv.policies`):
 
 1. transformers calls :meth:`H2OCache.update` with a chunk's new keys and values. The layer returns them unchanged,
    the keys tagged with the layer (:func:`staged_layer` takes the tag off): the model calls its attention function
@@ -446,6 +446,12 @@ class H2OCache(Cache):
     def kept_entries(self) -> int:
         """The most entries any (layer, sequence, KV head) holds now."""
         return max((int(layer.entry_count().max()) for layer in self.layers if layer.is_initialized), default=0)
+
+    def mean_entries(self) -> float:
+        """Entries held per (layer, sequence, KV head), averaged: what a cache packed per head allocates, and the
+        count kvpress' presses are matched at (a global or head-adaptive policy holds unequal counts)."""
+        counts = [layer.entry_count().double().mean() for layer in self.layers if layer.is_initialized]
+        return float(sum(counts) / len(counts)) if counts else 0.0
 
     def stats(self) -> dict[str, Any]:
         """Entries held vs seen and the KV bytes allocated vs a full cache holding every token seen."""

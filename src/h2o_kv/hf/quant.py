@@ -18,7 +18,7 @@ are quantized as they are stored). So an entry is read dequantized once it is ol
 ``max(residual, 1)`` columns.
 
 **Attention** over quantized slots (:func:`attend_step`, a decode step) runs the fused CPU kernel
-(``kernels/quant_attend.cpp``: dot products with the codes in place, nothing dequantized into memory) for fp32 on
+(``kernels/cpu/quant_attend.cpp``: dot products with the codes in place, nothing dequantized into memory) for fp32 on
 a CPU, and otherwise (another device or dtype, streaming mode, a sliding window, ``H2O_KV_FUSED=0``) dequantizes
 ``block`` slots at a time: never more than one block of one layer exists in full precision. A prompt chunk's candidates
 (the kept entries followed by the chunk) hold the kept entries dequantized, one layer at a time
@@ -214,7 +214,7 @@ def attend_step(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """One decode step's attention over quantized slots, dequantizing ``block`` slots at a time.
 
-    The same contract as :func:`h2o_kv.hf.scoring.attention_with_mass` for one query row at ``column``
+    The same contract as :func:`h2o_kv.hf.attention.attention_with_mass` for one query row at ``column``
     (``query [B, Hq, 1, D]``): returns ``(output [B, 1, Hq, Dv], mass [B, Hkv, N], last)``, ``last`` being
     ``mass`` (one row). ``key_factors [B, Hkv, N, D/2]`` (streaming mode): complex factors each block of
     dequantized raw keys is rotated by (:func:`h2o_kv.hf.rotary._apply`) before the dot products.
@@ -229,7 +229,7 @@ def attend_step(
     if key_factors is None and sliding_window is None and query.dtype == keys.dtype == values.dtype == torch.float32:
         valid = torch.ones_like(key_pos, dtype=torch.bool) if key_valid is None else key_valid
         ops = kernels.quant_ops(grouped, *keys.parts, keys.ring, *values.parts, values.ring, key_pos, valid)
-        if ops is not None:  # the codes read in place (kernels/quant_attend.cpp)
+        if ops is not None:  # the codes read in place (kernels/cpu/quant_attend.cpp)
             output, mass = ops.quant_attend(grouped, *keys.parts, keys.ring, *values.parts, values.ring, key_pos,
                                             valid, column, keys.bits)  # fmt: skip
             mass = mass if need_mass else None

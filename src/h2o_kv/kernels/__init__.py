@@ -34,10 +34,10 @@ import warnings
 
 import torch
 
-_SOURCE = pathlib.Path(__file__).with_name("decode_step.cpp")
-_QUANT_SOURCE = pathlib.Path(__file__).with_name("quant_attend.cpp")
-_PAGED_SOURCE = pathlib.Path(__file__).with_name("paged_decode.cpp")
-_PREFILL_SOURCE = pathlib.Path(__file__).with_name("paged_prefill.cpp")
+_SOURCE = pathlib.Path(__file__).parent / "cpu" / "decode_step.cpp"
+_QUANT_SOURCE = pathlib.Path(__file__).parent / "cpu" / "quant_attend.cpp"
+_PAGED_SOURCE = pathlib.Path(__file__).parent / "cpu" / "paged_decode.cpp"
+_PREFILL_SOURCE = pathlib.Path(__file__).parent / "cpu" / "paged_prefill.cpp"
 # OpenMP for at::parallel_for over rows and `omp simd` loops, built for this CPU's vector units
 _SIMD = {"extra_cflags": ["-O3", "-fopenmp", "-march=native", "-fno-math-errno"], "extra_ldflags": ["-fopenmp"]}
 _FLAGS = {_SOURCE: {"extra_cflags": ["-O3"]}, _QUANT_SOURCE: _SIMD, _PAGED_SOURCE: _SIMD}

@@ -19,9 +19,9 @@ class H2O(Policy):
     (all prompt rows causally, then every generated token), summed over the query heads of its KV group; never
     decayed or normalised (the paper's default).
 
-    This class is the specification of H2O's ranking; the fused kernels (``kernels/decode_step.cpp``, the paged
-    ``kernels/paged_decode.cpp`` of the vLLM backend, the Triton ones) implement exactly this and are tested
-    against it (``tests/test_fast_paths.py``, ``tests/vllm/test_paged_decode.py``). Per (sequence, KV head), with
+    This class is the specification of H2O's ranking; the fused kernels (``kernels/cpu/decode_step.cpp``, the paged
+    ``kernels/cpu/paged_decode.cpp`` of the vLLM backend, the Triton ones) implement exactly this and are tested
+    against it (``tests/test_fast_paths.py``, ``tests/serving/test_paged_decode.py``). Per (sequence, KV head), with
     ``seen`` columns seen after the step's token was written:
 
     1. score update: ``score += mass`` in float32 for every entry (:meth:`accumulate`; a prompt chunk's candidates

@@ -23,17 +23,20 @@ Other policies get the mass from the kernel and rank in Python; without a compil
 (:func:`decode_torch`, the kernel's reference in the tests). The prompt chunks of every bounded row of a layer are
 one call of ``paged_prefill`` (:func:`h2o_kv.kernels.prefill_ops`): output and mass in one pass over the rows'
 paged blocks, read in place; vLLM's kernel runs over the other rows only (:func:`prefill_torch`, the transformers
-backend's :func:`~h2o_kv.hf.scoring.attention_with_mass` over the gathered keys, is its reference and fallback).
+backend's :func:`~h2o_kv.hf.attention.attention_with_mass` over the gathered keys, is its reference and fallback).
 The policies are :mod:`h2o_kv.policies`' objects (one implementation, two backends).
 Only the fp32 cache layout (the ``vec`` ISA) is supported.
 """
 
 from __future__ import annotations
 
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 import torch
 from vllm.forward_context import get_forward_context
+from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackend,
     CPUAttentionBackendImpl,
@@ -42,9 +45,9 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 
 from .. import kernels
-from ..hf.scoring import attention_with_mass
+from ..hf.attention import attention_with_mass
 from ..policies import EntryView, Policy
-from . import patches
+from .config import ServeConfig, request_config
 
 
 @dataclass
@@ -111,6 +114,26 @@ class DecodeBatch:
 
 _REQUESTS: dict[str, RequestEntries | None] = {}  # None: a request the plugin leaves to vLLM
 _PLANNED: list[Row] = []  # the bounded rows of the step in flight (the builder's plan; advance() commits it)
+_STEP = threading.local()  # the model runner of the step in flight in this thread
+
+
+@contextmanager
+def step(runner, done):
+    """A model runner's step (entered by :mod:`h2o_kv.vllm.patches`' ``execute_model``): the state of the ``done``
+    requests (finished or preempted) is dropped first, the builder plans with ``runner`` while the step runs, and
+    the plan is committed once it ran."""
+    forget(done)
+    _STEP.runner = runner
+    try:
+        yield
+        advance()
+    finally:
+        _STEP.runner = None
+
+
+def current_runner():
+    """The model runner whose step is being executed in this thread (None outside a real step, e.g. warm-up)."""
+    return getattr(_STEP, "runner", None)
 
 
 def forget(request_ids) -> None:
@@ -129,7 +152,7 @@ def advance() -> None:
 def _entries_for(request_id: str, request_state) -> RequestEntries | None:
     if request_id not in _REQUESTS:
         params = request_state.sampling_params
-        config = patches.request_config(params.extra_args if params is not None else None)
+        config = request_config(params.extra_args if params is not None else None)
         policy = config.make_policy(request_state.num_prompt_tokens) if config is not None else None
         new_tokens = (params.max_tokens or 0) if params is not None else 0
         bounded = policy is not None and policy.capacity < request_state.num_prompt_tokens + new_tokens
@@ -152,7 +175,7 @@ class H2OAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
     the step ran (a second build of the same step plans the same rows)."""
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
-        runner = patches.current_runner()
+        runner = current_runner()
         rows = self._plan(runner, common_attn_metadata) if runner is not None else []
         _PLANNED[:] = [row for _, row in rows]
         if rows:
@@ -251,10 +274,29 @@ def _decode_batch(rows: tuple[Row, ...]) -> DecodeBatch | None:
     return DecodeBatch(rows, table, meta)
 
 
+def check_layer(impl) -> None:
+    """Refuse (at model load, in the worker) a layer whose attention the H2O backend does not implement: what vLLM
+    hands the attention implementation, so every model is covered (``impl`` is a ``CPUAttentionBackendImpl``)."""
+    features = {
+        "ALiBi position biases": impl.alibi_slopes is not None,
+        "sliding-window attention": impl.sliding_window not in (None, -1),
+        "logit soft-capping": bool(impl.logits_soft_cap),
+        "attention sinks": impl.sinks is not None,
+        f"{getattr(impl.attn_type, 'value', impl.attn_type)} attention (decoder self-attention only)": (
+            impl.attn_type != AttentionType.DECODER
+        ),
+        "KV sharing across layers": impl.kv_sharing_target_layer_name is not None,
+    }
+    found = [name for name, present in features.items() if present]
+    server = ServeConfig.from_env()
+    if found and server is not None and server.evicts:
+        raise ValueError(f"h2o-kv: an evicting policy does not support {', '.join(found)}; serve with --policy full")
+
+
 class H2OAttentionImpl(CPUAttentionBackendImpl):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        patches.check_layer(self)  # sliding windows, soft-capping, ALiBi, sinks...: refused at model load
+        check_layer(self)  # sliding windows, soft-capping, ALiBi, sinks...: refused at model load
         kernels.paged_ops()  # built (once per machine, ~40 s) or loaded while the model loads, not in a request
         kernels.prefill_ops()
 
@@ -465,4 +507,4 @@ class H2OAttentionBackend(CPUAttentionBackend):
         return H2OAttentionMetadataBuilder
 
 
-__all__ = ["H2OAttentionBackend", "forget"]
+__all__ = ["H2OAttentionBackend", "step"]

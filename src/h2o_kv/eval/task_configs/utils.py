@@ -4,7 +4,7 @@ Each ``load_*`` function is a task's ``custom_dataset``: it returns a ``DatasetD
 holding the local file's items in file order, with the fields lm-eval's original task YAML expects. The few-shot
 examples are drawn from the same split (``fewshot_split: test``); lm-eval then leaves the evaluated item out of
 its own context. The folder is ``$H2O_KV_DATA`` or ``./shared/data``, ``../shared/data``
-(:func:`h2o_kv.data.data_path`); a missing or malformed file raises an error naming it.
+(:func:`h2o_kv.harness.data.data_path`); a missing or malformed file raises an error naming it.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import re
 
 import datasets
 
-from h2o_kv.data import data_path
+from h2o_kv.harness.data import data_path
 
 
 class DataFormatError(ValueError):

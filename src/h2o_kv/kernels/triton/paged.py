@@ -5,7 +5,7 @@ two ``[num_blocks, block_size, num_kv_heads, head_size]`` views with any strides
 0.32's ``kv_cache.transpose(1, 2).split(head_size, -1)`` of its ``[num_blocks, num_kv_heads, block_size,
 2 * head_size]`` tensor, or ``kv_cache.unbind(0)`` of the older ``[2, num_blocks, block_size, num_kv_heads,
 head_size]``); fp16/bf16, or fp32. Each request's blocks are listed by its row of ``block_table``. As in the CPU
-plugin (:mod:`h2o_kv.vllm.attention`, ``kernels/paged_decode.cpp``) a request's slots are its first physical cache
+plugin (:mod:`h2o_kv.vllm.attention`, ``kernels/cpu/paged_decode.cpp``) a request's slots are its first physical cache
 slots and each KV head orders its own entries: per-slot columns, scores (fp32) and validity live in fixed
 ``[requests, num_kv_heads, width]`` pools, a request's state found by its row of ``meta``. One program per
 (row, KV head) owns all its outputs (no atomics):

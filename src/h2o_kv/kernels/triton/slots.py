@@ -5,7 +5,7 @@ step of :class:`~h2o_kv.hf.cache.H2OLayer` in one kernel: the new token into the
 group's query heads over the valid slots, the probability mass each slot received summed over the group, and for
 H2O (Zhang et al., arXiv:2306.14048) the score update and the victim (the first slot of lowest score outside the
 recent window); other policies get the mass back. :func:`write_slot` and :func:`h2o_victim` are its first and last
-parts alone, with the signatures of the fused CPU kernels (``kernels/decode_step.cpp``), which is how
+parts alone, with the signatures of the fused CPU kernels (``kernels/cpu/decode_step.cpp``), which is how
 ``H2OCache`` uses them on CUDA (:func:`h2o_kv.kernels.step_ops`). Arithmetic is fp32 whatever the cache's dtype;
 reductions are ``tl.sum`` over broadcasts (a decode step is memory bound, and Triton's interpreter has no bf16
 ``tl.dot``). References: :mod:`h2o_kv.kernels.triton.reference`.

@@ -16,7 +16,7 @@ import urllib.request
 
 import pytest
 
-HAS_VLLM = getattr(importlib.util.find_spec("vllm"), "origin", None) is not None  # not tests/vllm as a namespace
+HAS_VLLM = getattr(importlib.util.find_spec("vllm"), "origin", None) is not None  # not tests/serving as a namespace
 pytestmark = [
     pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (pip install 'h2o-kv[vllm]')"),
     pytest.mark.slow,

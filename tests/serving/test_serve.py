@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-HAS_VLLM = getattr(importlib.util.find_spec("vllm"), "origin", None) is not None  # not tests/vllm as a namespace
+HAS_VLLM = getattr(importlib.util.find_spec("vllm"), "origin", None) is not None  # not tests/serving as a namespace
 needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (pip install 'h2o-kv[vllm]')")
 PORT = int(os.environ.get("H2O_KV_TEST_SERVE_PORT", "8201"))  # a port in this project's test range
 API_KEY = "test-key-h2o"
@@ -161,7 +161,7 @@ def test_api_key_is_enforced_and_only_loopback_is_bound(server):
 @pytest.mark.data
 def test_short_soak_with_disconnects_and_bad_requests(server):
     from h2o_kv.bench.soak import SoakConfig, run_soak
-    from h2o_kv.data import has_data
+    from h2o_kv.harness.data import has_data
 
     if not has_data("pg19"):
         pytest.skip("the shared data folder (pg19) is missing: set $H2O_KV_DATA")

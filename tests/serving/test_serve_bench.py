@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from h2o_kv.bench.serve import Setting, comparison_table, kv_space_bytes, model_kv_bytes_per_token, steady_step_ms
+from h2o_kv.bench.serve import Setting, kv_space_bytes, model_kv_bytes_per_token, steady_step_ms
+from h2o_kv.bench.serve_report import comparison_table
 from h2o_kv.bench.soak import SoakConfig, check_outcomes
 
 SMOLLM2 = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,

@@ -1,9 +1,10 @@
-"""The quantized-KV quality tables from the result records of results/quant/run_ppl.sh and run_eval.sh.
+"""The quantized-KV quality tables from the result records of scripts/quant_ppl.sh and run_eval.sh.
 
-Usage: python results/quant/table.py > results/quant/tables.md
+Usage: python scripts/quant_table.py > results/quant/tables.md
 
 Perplexity, per book: each setting, its change vs h2o (fp32 entries) and vs full, with the 95% interval paired
-over the same tokens (batch means over 64-token blocks, h2o_kv.tables.paired), and the peak KV entries. A baseline
+over the same tokens (batch means over 64-token blocks, h2o_kv.harness.tables.paired), and the peak KV entries.
+A baseline
 (h2o, full) not run here is taken from results/eval/ppl/<book>/ (the same code path: kv_bits=None is unchanged) and
 marked "earlier run". lm-eval tasks and XSUM: the same items as results/eval-tasks/, each setting's paired change
 vs h2o (fp32) and vs dynamic (the full cache); a baseline not rerun here comes from results/eval-tasks/ the same way.
@@ -17,7 +18,7 @@ import sys
 from pathlib import Path
 
 from h2o_kv.eval.report import tasks_table, xsum_table
-from h2o_kv.tables import Estimate, markdown, paired
+from h2o_kv.harness.tables import Estimate, markdown, paired
 
 EARLIER = {"h2o": "h2o_b0.2.json", "full": "full.json"}
 ORDER = ("full", "dynamic-kv4", "h2o", "h2o-kv8", "h2o-kv4")

@@ -15,7 +15,7 @@ This script relabels the files that meant the stock cache, and changes nothing e
 Each migrated record says so in ``migrated``. ``eval ppl`` and streaming results keep ``full``: they ran
 ``H2OCache(policy="full")``.
 
-    python results/relabel_dynamic.py
+    python scripts/relabel_dynamic.py
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import re
 import subprocess
 from pathlib import Path
 
-HERE = Path(__file__).parent
-NOTE = "relabelled by results/relabel_dynamic.py: 'full' meant the stock DynamicCache, now 'dynamic'; numbers untouched"
+HERE = Path(__file__).parent.parent / "results"
+NOTE = "relabelled by scripts/relabel_dynamic.py: 'full' meant the stock DynamicCache, now 'dynamic'; numbers untouched"
 
 
 def save(path: Path, data: dict) -> None:
@@ -83,7 +83,7 @@ def sweeps() -> None:
             "schema": 1, "kind": "sweep", "evaluation": data["kind"], "model": data["model"],
             "options": data["options"], "settings": data["policies"], "budgets": data["budgets"],
             "migrated": "the legacy sweep.json (the last sweep into this folder), renamed by "
-            "results/relabel_dynamic.py",
+            "scripts/relabel_dynamic.py",
         }  # fmt: skip
         target = path.with_name("sweep-legacy.json")
         subprocess.run(["git", "mv", str(path), str(target)], check=True)

@@ -34,7 +34,8 @@ instead of removing them, so their ``kept`` is counted from the mask, as the mea
 
 A budget is mapped to kvpress' ``compression_ratio`` (the fraction removed) so that the press keeps exactly as
 many entries per layer and KV head as the h2o-kv cache holds after the same prefill (:meth:`h2o_kv.Budget.entries`
-of the context length, through a ``kvpress:<press>`` :class:`~h2o_kv.setting.KVSetting`); ``compression_ratio`` is
+of the context length, through a ``kvpress:<press>`` :class:`~h2o_kv.harness.setting.KVSetting`);
+``compression_ratio`` is
 ``1 - budget`` up to rounding.
 
 kvpress 0.5.5 pins ``transformers<5.3``, so the peer runs in its own virtual environment, driven by the same
@@ -221,7 +222,7 @@ def press_prefill(model, input_ids, name: str, keep: int) -> PressState:
     import torch
     from transformers import DynamicCache
 
-    from .hf.compat import cache_kwargs
+    from ..hf.compat import cache_kwargs
 
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"press_prefill expects input_ids of shape [1, L], got {tuple(input_ids.shape)}")
@@ -239,7 +240,7 @@ def press_extend(model, state: PressState, input_ids):
     returns logits [B, T, vocab]."""
     import torch
 
-    from .hf.compat import cache_kwargs
+    from ..hf.compat import cache_kwargs
 
     batch, steps = input_ids.shape
     positions = torch.arange(state.next_position, state.next_position + steps, device=input_ids.device)

@@ -1,4 +1,10 @@
-"""Shared helpers: build a vLLM engine on a tiny model with or without the plugin, and watch its scheduler."""
+"""Shared helpers of tests/serving (the vLLM backend, in its own virtual environment: vLLM pins its own torch and
+transformers): build a vLLM engine on a tiny model with or without the plugin, and watch its scheduler.
+
+Every test module there skips itself, with the reason, where vLLM is not installed. Engines are shared per module (an
+engine starts in ~20 s) and run with the engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so tests
+read the scheduler's KV manager directly; the model worker is still its own process (vLLM's CPU executor).
+"""
 
 from __future__ import annotations
 

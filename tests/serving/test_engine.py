@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-if getattr(importlib.util.find_spec("vllm"), "origin", None) is None:  # not installed, or only tests/vllm (namespace)
+if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed (pip install 'h2o-kv[vllm]', see docs/vllm.md)", allow_module_level=True)
 
 from engines import BLOCK, Watch, engine, generate, random_prompts, reference

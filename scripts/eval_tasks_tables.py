@@ -1,10 +1,10 @@
 """Markdown tables for docs/eval-tasks.md from the result JSONs in this folder (and the needle heatmap).
 
-    python results/eval-tasks/tables.py > /tmp/tables.md    # also redraws needle_heatmaps.png
+    python scripts/eval_tasks_tables.py > /tmp/tables.md    # also redraws needle_heatmaps.png
 
 Every setting ran on the same items as ``dynamic`` (the stock DynamicCache), so a change in accuracy (or ROUGE) is
 the mean of item-by-item differences with its standard error; "mean" averages the per-task numbers and combines
-their standard errors (:mod:`h2o_kv.tables`, through :mod:`h2o_kv.eval.report`).
+their standard errors (:mod:`h2o_kv.harness.tables`, through :mod:`h2o_kv.eval.report`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 from h2o_kv.eval.needle import plot_heatmaps
 from h2o_kv.eval.report import load_records, needle_table, order, tasks_delta_table, tasks_table, xsum_table
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).parent.parent / "results" / "eval-tasks"
 BASELINE = "dynamic"
 
 

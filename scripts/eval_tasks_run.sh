@@ -2,12 +2,12 @@
 # Regenerates every result in results/eval-tasks/ (docs/eval-tasks.md). Each run takes the shared CPU lock and
 # resumes from its item log when interrupted; a run whose result JSON exists is skipped. Every run is attempted;
 # the script exits non-zero if any of them failed (and names them). `h2o-kv eval X` == `python -m h2o_kv.eval.cli X`.
-#   bash results/eval-tasks/run.sh [all|tasks|xsum|needle|xsum200|paper]
+#   bash scripts/eval_tasks_run.sh [all|tasks|xsum|needle|xsum200|paper]
 # Environment: OUT (result folder), EVAL (the eval command), LOCK (flock file), LIMIT, PAPER_LIMIT, XSUM_LIMIT.
 # kvpress rows need the peer's own environment (kvpress 0.5.5 pins transformers<5.3; docs/eval-tasks.md, "The kvpress
-# peer"): e.g. EVAL="/path/to/peer-venv/bin/python -m h2o_kv.eval.cli" bash results/eval-tasks/run.sh tasks
+# peer"): e.g. EVAL="/path/to/peer-venv/bin/python -m h2o_kv.eval.cli" bash scripts/eval_tasks_run.sh tasks
 set -u
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/.."
 OUT=${OUT:-results/eval-tasks}
 EVAL=${EVAL:-python -m h2o_kv.eval.cli}
 LOCK=${LOCK:-/tmp/h2o-cpu.lock}

@@ -9,13 +9,13 @@ from dataclasses import replace
 
 import pytest
 
-if getattr(importlib.util.find_spec("vllm"), "origin", None) is None:  # not installed, or only tests/vllm (namespace)
+if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed (pip install 'h2o-kv[vllm]', see docs/vllm.md)", allow_module_level=True)
 
 import torch
 
 from h2o_kv import kernels
-from h2o_kv.hf.scoring import attention_with_mass
+from h2o_kv.hf.attention import attention_with_mass
 from h2o_kv.policies import make_policy
 from h2o_kv.vllm.attention import LayerEntries, PagedCache, RequestEntries, Row, _prefill_batch, prefill_torch
 

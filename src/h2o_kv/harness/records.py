@@ -53,7 +53,7 @@ def command_line(argv: list[str] | None = None) -> str:
 @lru_cache(maxsize=1)
 def git_state() -> dict[str, Any] | None:
     """``{"commit", "dirty"}`` of the h2o-kv checkout this package runs from; ``None`` for an installed copy."""
-    root = Path(__file__).resolve().parents[2]  # src/h2o_kv/records.py -> the checkout
+    root = Path(__file__).resolve().parents[3]  # src/h2o_kv/harness/records.py -> the checkout
     if not (root / "src" / "h2o_kv").is_dir():
         return None
 
@@ -102,7 +102,7 @@ def fused_cpu_kernels(device: Any = None, h2o_cache: bool = True) -> bool | None
     H2OCache ran on the CPU (``device`` not a CPU, or ``h2o_cache`` false), else whether they were usable."""
     if not h2o_cache or device is None or str(device).split(":")[0] != "cpu":
         return None
-    from . import kernels
+    from .. import kernels
 
     return kernels.available()
 

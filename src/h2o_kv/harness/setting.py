@@ -8,7 +8,7 @@ A setting is one of, named distinctly in every result:
   without options is the defaults). ``full`` is the same frame without
   eviction (h2o-kv's attention function and slot storage, nothing ever evicted): a *different* baseline from
   ``dynamic``, numerically equal to it up to float rounding but with h2o-kv's speed and memory.
-* ``kvpress:<press>`` - an NVIDIA kvpress press (:mod:`h2o_kv.peers`) compressing a ``DynamicCache`` once, after
+* ``kvpress:<press>`` - an NVIDIA kvpress press (:mod:`h2o_kv.harness.peers`) compressing a ``DynamicCache`` once, after
   the prefill, to the entry count the same budget gives.
 
 Any setting but a press may store its KV entries quantized (``kv_bits`` 4 or 8): an h2o-kv policy as
@@ -28,8 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .budget import Budget
-from .registry import POLICY_NAMES, PolicySpec, parse_policy
+from ..budget import Budget
+from ..registry import POLICY_NAMES, PolicySpec, parse_policy
 
 DYNAMIC = "dynamic"
 PRESS_PREFIX = "kvpress:"
@@ -64,7 +64,7 @@ def is_bounded(name: str) -> bool:
         return True
     if name == DYNAMIC:
         return False
-    from .policies import make_policy
+    from ..policies import make_policy
 
     return make_policy(name, 0, 0).bounded
 
@@ -80,7 +80,7 @@ class KVSetting:
 
     def __post_init__(self):
         object.__setattr__(self, "name", check_name(self.name))  # the canonical spec: one behaviour, one name
-        from .hf.cache import STATISTICS
+        from ..hf.cache import STATISTICS
 
         if self.reconstruct is not None and self.reconstruct not in STATISTICS:
             raise ValueError(f"reconstruct must be one of {', '.join(STATISTICS)}; got {self.reconstruct!r}")
@@ -89,7 +89,7 @@ class KVSetting:
                 f"reconstruct: a context-reconstruction pass scores the prompt for a bounded h2o-kv policy in full "
                 f"precision; not for {self.label}"
             )
-        from .hf.quant import check_bits
+        from ..hf.quant import check_bits
 
         check_bits(self.kv_bits)
         if self.kv_bits is not None and self.press is not None:
@@ -144,6 +144,24 @@ class KVSetting:
         """KV entries per layer and KV head kept after a ``prompt_length``-token prompt (all of it if unbounded)."""
         return self.budget.entries(prompt_length) if self.bounded else prompt_length
 
+    def missing_extra(self) -> str | None:
+        """The pip extra this setting needs and this environment lacks, or None: ``quant-peer`` for ``dynamic`` with
+        ``kv_bits`` (transformers' quanto ``QuantizedCache``), ``peers`` for a kvpress press. Commands check every
+        setting before any work."""
+        if self.kv_bits is not None and not self.uses_h2o_cache and not _installed("optimum.quanto"):
+            return "quant-peer"
+        if self.press is not None and not _installed("kvpress"):
+            return "peers"
+        return None
+
+    def require_extras(self, option: str = "--policy") -> None:
+        """Raise a one-line ``ValueError`` naming the extra :meth:`missing_extra` finds missing."""
+        extra = self.missing_extra()
+        if extra is not None:
+            what = "transformers' QuantizedCache (optimum-quanto)" if extra == "quant-peer" else "kvpress"
+            raise ValueError(f"{option}: {self.label} runs {what}, which is not installed here: "
+                             f"pip install -e '.[{extra}]'")  # fmt: skip
+
     def make_cache(self, *, prompt_length: int | None = None, stepwise: bool = False, config=None, **options):
         """A fresh cache: ``DynamicCache`` (``dynamic``, presses; laid out for the model ``config`` when given) or
         ``H2OCache`` with this budget, a ratio budget resolved against ``prompt_length`` when given (else against the
@@ -156,7 +174,7 @@ class KVSetting:
             from transformers import DynamicCache
 
             return DynamicCache() if config is None else DynamicCache(config=config)
-        from .hf.cache import H2OCache
+        from ..hf.cache import H2OCache
 
         spec = self.spec
         options = {**spec.options, **options}
@@ -200,12 +218,21 @@ class KVSetting:
         return label + {None: "", "sum": "+rec", "max": "+recmax"}[self.reconstruct]
 
 
+def _installed(module: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # its parent package is missing
+        return False
+
+
 def quantized_peer_cache(config, kv_bits: int = 4):
     """transformers' ``QuantizedCache`` (quanto backend, ``kv_bits`` bits, group 64, the newest
     ``DEFAULT_RESIDUAL`` tokens kept in full precision as h2o-kv's ring): the peer of ``H2OCache(kv_bits=...)``."""
     from transformers import QuantizedCache
 
-    from .hf.quant import DEFAULT_GROUP, DEFAULT_RESIDUAL
+    from ..hf.quant import DEFAULT_GROUP, DEFAULT_RESIDUAL
 
     if config is None:
         raise ValueError("the QuantizedCache peer needs the model config (make_cache(config=model.config))")
@@ -216,4 +243,12 @@ def held_entries(cache) -> int:
     """The most KV entries any layer, sequence and KV head of ``cache`` holds (``H2OCache`` or ``DynamicCache``)."""
     if hasattr(cache, "kept_entries"):
         return cache.kept_entries()
+    return cache.get_seq_length()
+
+
+def mean_entries(cache) -> int:
+    """KV entries per layer, sequence and KV head of ``cache``, averaged over them and rounded (what ``kept`` in an
+    evaluation record means: a global or head-adaptive policy holds unequal counts, kvpress' presses the same)."""
+    if hasattr(cache, "mean_entries"):
+        return round(cache.mean_entries())
     return cache.get_seq_length()

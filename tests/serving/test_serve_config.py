@@ -12,9 +12,17 @@ import types
 
 import pytest
 
-from h2o_kv.vllm.config import ENV, MIN_ENTRIES, REQUEST_KEYS, SERVER_POLICIES, ServeConfig, model_refusal
+from h2o_kv.vllm.config import (
+    ENV,
+    MIN_ENTRIES,
+    REQUEST_KEYS,
+    SERVER_POLICIES,
+    ServeConfig,
+    model_refusal,
+    request_config,
+)
 
-HAS_VLLM = getattr(importlib.util.find_spec("vllm"), "origin", None) is not None  # not tests/vllm as a namespace
+HAS_VLLM = getattr(importlib.util.find_spec("vllm"), "origin", None) is not None  # not tests/serving as a namespace
 needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (pip install 'h2o-kv[vllm]')")
 
 
@@ -54,6 +62,18 @@ def test_an_unknown_h2o_key_names_the_key_and_the_valid_ones():
     message = str(caught.value)
     assert "h2o_hevy" in message and all(key in message for key in REQUEST_KEYS) and "\n" not in message
     assert ServeConfig("h2o", budget=0.2).override({"other_plugin": 1}) == ServeConfig("h2o", budget=0.2)
+
+
+def test_a_request_runs_the_server_setting_with_its_xargs_and_evicts_only_on_an_evicting_server(monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)
+    assert request_config({"h2o_heavy": 4, "h2o_recent": 4}) is None  # no plugin setting: vLLM's own
+    monkeypatch.setenv(ENV, ServeConfig("h2o", budget=0.2).to_env())
+    assert request_config(None) == ServeConfig("h2o", budget=0.2)
+    assert request_config({"h2o_heavy": 4, "h2o_recent": 4}) == ServeConfig("h2o", heavy=4, recent=4)
+    monkeypatch.setenv(ENV, ServeConfig("full").to_env())
+    assert request_config({"h2o_policy": "full"}) == ServeConfig("full")
+    with pytest.raises(ValueError, match="runs policy 'full' .* cannot ask for policy 'h2o'"):
+        request_config({"h2o_policy": "h2o", "h2o_heavy": 4, "h2o_recent": 4})
 
 
 @pytest.mark.parametrize("policy, phrase", [("ada_h2o", "own budget"), ("ada_snapkv", "own budget"),
@@ -102,7 +122,7 @@ def test_model_features_the_backend_does_not_implement(family, fields, phrase):
 
 @needs_vllm
 def test_each_layer_is_checked_as_vllm_builds_it(monkeypatch):
-    from h2o_kv.vllm.patches import check_layer
+    from h2o_kv.vllm.attention import check_layer
 
     monkeypatch.setenv(ENV, ServeConfig("h2o", budget=0.2).to_env())
     plain = dict(alibi_slopes=None, sliding_window=-1, logits_soft_cap=0, sinks=None, attn_type="decoder",

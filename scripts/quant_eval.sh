@@ -3,9 +3,9 @@
 # on exactly the items of results/eval-tasks/: h2o + 4-bit, h2o + 8-bit, and transformers' QuantizedCache 4-bit
 # (quanto, full cache) as the peer; then the fp32 baselines again (h2o, dynamic) in this same code state. A result
 # whose JSON exists is skipped, and a run interrupted resumes from its item log.
-# Usage: bash results/quant/run_eval.sh [tasks|xsum|all]   (ONLY="a b": run only these cell names)
+# Usage: bash scripts/quant_eval.sh [tasks|xsum|all]   (ONLY="a b": run only these cell names)
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/.."
 OUT=${OUT:-results/quant}
 EVAL=${EVAL:-h2o-kv eval}
 what=${1:-all}

@@ -1,6 +1,6 @@
 """Measure H2O inside vLLM on the default model: agreement with the transformers backend, and full vs H2O.
 
-``python -m h2o_kv.vllm.compare [--prompts 10] [--length 1024] [--new 64] [--budget 0.2] [--batch 4]
+``python -m h2o_kv.bench.serve_compare [--prompts 10] [--length 1024] [--new 64] [--budget 0.2] [--batch 4]
 [--out results/vllm/compare.json]`` (needs vLLM and ``H2O_KV_DATA``: the prompts are PG-19 windows).
 
 1. Agreement: each prompt through vLLM with the plugin (greedy, ``ignore_eos``) and through h2o-kv's transformers
@@ -24,7 +24,7 @@ import time
 
 def _engine(model_dir: str, setting: dict, kv_gb: float):
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process: read its KV manager
-    from .config import ENV
+    from ..vllm.config import ENV
 
     os.environ[ENV] = json.dumps(setting)
     from vllm import LLM
@@ -44,7 +44,7 @@ def _params(new: int, xargs=None, logprobs=None):
 def agreement(llm, model, prompts, new: int, budget: float) -> dict:
     import torch
 
-    from h2o_kv import H2OCache
+    from .. import H2OCache
 
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], _params(new, logprobs=2), use_tqdm=False)
     model.generation_config.eos_token_id = None
@@ -103,9 +103,10 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default="results/vllm/compare.json")
     args = parser.parse_args(argv)
 
-    from h2o_kv import load_model, records
-    from h2o_kv.bench.workload import make_prompts
-    from h2o_kv.models import model_dir
+    from .. import load_model
+    from ..harness import records
+    from ..models import model_dir
+    from .workload import make_prompts
 
     model, tokenizer = load_model()
     prompts = make_prompts(tokenizer, max(args.prompts, args.batch), args.length).tolist()

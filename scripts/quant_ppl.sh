@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Streaming perplexity at 20% on both PG-19 books (4,096 tokens), side by side in one run: h2o, h2o + 4-bit,
 # h2o + 8-bit, full, and transformers' QuantizedCache 4-bit (quanto) as the peer. Finished cells are skipped
-# (resume). Usage: bash results/quant/run_ppl.sh   (H2O_KV_DATA: the shared data folder; ONLY="a b" / SKIP="a b":
+# (resume). Usage: bash scripts/quant_ppl.sh   (H2O_KV_DATA: the shared data folder; ONLY="a b" / SKIP="a b":
 # run only / skip these cells, e.g. the slow one-token-per-forward peer in a second process: ONLY=dynamic-kv4)
 set -euo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/.."
 DATA=${H2O_KV_DATA:-/work/shared/data}
 OUT=${OUT:-results/quant/ppl}
 H2O=${H2O:-h2o-kv}
