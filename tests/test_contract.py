@@ -3,7 +3,9 @@ members of ``ATTENTION_CONTRACT`` and the fields of :class:`~h2o_kv.hf.cache.Ste
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ from h2o_kv.hf import attention as hf_attention
 from h2o_kv.hf import cache as cache_module
 from h2o_kv.hf.cache import ATTENTION_CONTRACT, Step
 from h2o_kv.policies import H2O, POLICIES, make_policy
+from h2o_kv.policies.base import BACKEND_CONTRACT
 
 
 class Recorder:
@@ -119,3 +122,22 @@ def test_fused_ranking_is_one_property_of_the_policy():
             return entries.scores
 
     assert not Other(2, 2).fused_h2o_ranking
+
+
+def policy_members_used(folder: str) -> set[str]:
+    """Attributes read of anything named ``policy`` (``self.policy.x``, ``row.entries.policy.x``, ``policy.x``) in
+    the backend's sources: the static counterpart of the recorded runs above, so it covers the vLLM backend without
+    vLLM installed."""
+    found = set()
+    for path in (Path(cache_module.__file__).parents[1] / folder).rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and ast.unparse(node.value).rpartition(".")[2] == "policy":
+                found.add(node.attr)
+    return found
+
+
+@pytest.mark.parametrize("backend", ["hf", "vllm"])
+def test_backends_use_only_the_policy_contract(backend):
+    used = policy_members_used(backend)
+    assert {"accumulate", "keep_score", "capacity"} <= used  # the scan sees the backend's policy calls
+    assert used <= BACKEND_CONTRACT, f"{backend} uses {sorted(used - BACKEND_CONTRACT)} beyond the contract"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -187,6 +188,20 @@ def test_cli_bad_input_fails_before_loading(tmp_path, monkeypatch):
         app, ["ppl", "--text", str(tmp_path / "t.txt"), "--tokens", "8", "--policy", "full", "--budget", "0.2"]
     )
     assert result.exit_code == 2 and "full keeps every entry" in result.output and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("command", ["ppl", "xsum", "needle"])
+def test_a_missing_extra_fails_before_loading(command, monkeypatch):
+    """``--policy dynamic --kv-bits 4`` runs transformers' quanto cache: without the extra, one line naming it."""
+    monkeypatch.setattr("h2o_kv.harness.setting._installed", lambda module: module != "optimum.quanto")
+    monkeypatch.setattr("h2o_kv.eval.runner.ModelHandle.model", lambda *a, **k: pytest.fail("the model loaded"))
+    args = ["--text", str(Path(__file__).parents[1] / "README.md"), "--tokens", "8"] if command == "ppl" else []
+    result = CliRunner().invoke(app, [command, *args, "--policy", "dynamic", "--kv-bits", "4"])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert result.output.strip().splitlines() == [
+        "error: --policy/--kv-bits: dynamic-kv4 runs transformers' QuantizedCache (optimum-quanto), which is not "
+        "installed here: pip install -e '.[quant-peer]'"
+    ]
 
 
 @pytest.mark.slow

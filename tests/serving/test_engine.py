@@ -14,7 +14,7 @@ if importlib.util.find_spec("vllm") is None:
 from engines import BLOCK, Watch, engine, generate, random_prompts, reference
 from tiny import make_tiny_llama
 
-from h2o_kv.vllm import patches
+from h2o_kv.vllm import blocks, patches
 
 LENGTHS = (33, 45, 64, 70, 90, 100, 150, 200)  # one batch of mixed lengths; 150 and 200 are prefilled in chunks
 NEW = 40
@@ -152,7 +152,7 @@ def test_abort_frees_everything(llm):
         engine_.step()
     engine_.step()
     assert Watch(llm).free_blocks() == free
-    assert patches.reservations() == {}
+    assert blocks.reservations() == {}
 
 
 def test_invalid_request_setting_is_a_validation_error(llm):

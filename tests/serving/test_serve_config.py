@@ -158,6 +158,33 @@ def test_kv_cache_groups_other_than_one_full_attention_group_are_refused(monkeyp
 
 
 @needs_vllm
+def test_bounded_blocks_come_from_vllms_kv_cache_spec_registry(monkeypatch):
+    """The H2O backend turns a full-attention spec into H2OAttentionSpec (same layout); vLLM's registry gives it the
+    reservation-aware manager, so the engine's KV manager is H2O's without a patch of FullAttentionManager."""
+    import torch
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+
+    from h2o_kv.vllm import plugin
+    from h2o_kv.vllm.attention import H2OAttentionBackend
+    from h2o_kv.vllm.blocks import H2OAttentionManager, H2OAttentionSpec
+
+    monkeypatch.setenv(ENV, ServeConfig("h2o", budget=0.2).to_env())
+    plugin.register()
+    full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    spec = H2OAttentionBackend.customize_spec(full)
+    assert type(spec) is H2OAttentionSpec and spec.page_size_bytes == full.page_size_bytes
+    window = SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.float32, sliding_window=64)
+    assert H2OAttentionBackend.customize_spec(window) == window  # left to vLLM, then refused (test above)
+    config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)])
+    manager = KVCacheManager(config, max_model_len=64, scheduler_block_size=16, hash_block_size=16,
+                             enable_caching=False)  # fmt: skip
+    assert [type(m) for m in manager.coordinator.single_type_managers] == [H2OAttentionManager]
+    assert not hasattr(FullAttentionManager.allocate_new_blocks, "__wrapped__")  # vLLM's own, unpatched
+
+
+@needs_vllm
 def test_engine_config_refuses_a_sliding_window_model_and_kv_connectors(tmp_path, monkeypatch):
     """What ``vllm.LLM`` or ``vllm serve`` with the plugin refuses before its engine starts (the API process)."""
     from tiny import make_tiny_llama

@@ -82,9 +82,11 @@ def kv_setting(
             raise ValueError(f"--reconstruct must be one of {', '.join(STATISTICS)}; got {reconstruct!r}")
     if reconstruct and peer is not None:
         raise ValueError(f"--reconstruct scores the prompt for an h2o-kv --policy; --peer {peer} has its own scoring")
-    return KVSetting.of(
+    setting = KVSetting.of(
         name, budget=budget, heavy=heavy, recent=recent, option="--policy", kv_bits=kv_bits, reconstruct=reconstruct
     )
+    setting.require_extras("--peer" if peer is not None else "--policy/--kv-bits")  # before any work
+    return setting
 
 
 def option_int(options: dict[str, Any], name: str, default: int | None = None) -> int | None:

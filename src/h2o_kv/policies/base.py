@@ -19,7 +19,8 @@ kvpress' ``score()`` presses) and one line in the registry (:data:`h2o_kv.regist
 :meth:`Policy.decode_victim` is the composition of the two for a decode step over full slots. Where
 :attr:`Policy.fused_h2o_ranking` is true (H2O's exact ranking, :class:`~h2o_kv.policies.H2O`), a backend may run a
 fused kernel of that ranking instead - the transformers cache through :meth:`~h2o_kv.policies.H2O.decode_victim`,
-the vLLM backend in its paged decode kernel; a policy never knows which backend runs it.
+the vLLM backend in its paged decode kernel; a policy never knows which backend runs it. A backend reads nothing of
+a policy beyond :data:`BACKEND_CONTRACT`.
 
 Ownership: an :class:`EntryView` is read-only for :meth:`~Policy.accumulate`, :meth:`~Policy.keep_score` and
 :meth:`~Policy.select`, which return new tensors. :meth:`~Policy.decode_victim` owns the score update of its step: it
@@ -36,6 +37,15 @@ from typing import ClassVar
 import torch
 
 INF = float("inf")
+
+# What a backend may read of a policy (tests/test_contract.py checks the transformers and the vLLM backend use no
+# more): its budget, what it needs computed, how it selects, and the hooks.
+BACKEND_CONTRACT = frozenset({
+    "heavy", "recent", "capacity", "bounded", "name", "describe",  # the budget and its label
+    "needs_attention", "needs_keys", "observation_window", "evicts_during_decode",  # what the backend computes
+    "head_adaptive", "across_layers", "fused_h2o_ranking",  # how the backend may select
+    "accumulate", "keep_score", "select", "select_layers", "decode_victim",  # the hooks
+})  # fmt: skip
 
 
 @dataclass(frozen=True)

