@@ -141,14 +141,6 @@ def served_name(model_dir: Path) -> str:
     return model_dir.name
 
 
-# glibc raises its mmap threshold each time a large block is freed (up to 32 MiB); from then on a prefill's activations,
-# of a different size for every prompt, come from the heap and fragment it, and the worker's RSS creeps up under load
-# (+10% in a 10-minute soak, vLLM's own cache as well). A fixed threshold keeps every block >= 128 KiB mmapped and
-# returned to the system when freed. Set for every policy (both sides of a comparison); a value in the environment
-# (or an allocator in LD_PRELOAD, which ignores it) wins.
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
-
-
 def serve_command(options: ServeOptions, model_dir: str | Path) -> tuple[list[str], dict[str, str]]:
     """``(argv, environment)`` of the ``vllm serve`` process for ``options`` on ``model_dir``."""
     model_dir = Path(model_dir)
@@ -165,7 +157,7 @@ def serve_command(options: ServeOptions, model_dir: str | Path) -> tuple[list[st
     for name, value in options.config.engine_args().items():
         argv += flag(name, value)
     argv += list(options.extra)
-    env = {**MALLOC_ENV, **os.environ}
+    env = dict(os.environ)
     env.pop(ENV, None)
     if options.kv_cache_bytes is not None:
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # the CPU platform's legacy variable would override the size
