@@ -403,3 +403,15 @@ def test_generate_samples_reproducibly_with_a_seed(default_model):
     sampled = reply("--temperature", "1.5", "--top-p", "0.9", "--seed", "7")
     assert sampled == reply("--temperature", "1.5", "--top-p", "0.9", "--seed", "7")  # the seed fixes the draw
     assert sampled != reply() and sampled.strip()  # not the greedy reply
+
+
+@pytest.mark.parametrize("folder", ["/nonexistent/h2o-kv-data", ""])
+def test_a_missing_data_folder_is_one_line(folder, tmp_path, monkeypatch):
+    """Every command that reads the shared data (here ``bench kv-memory``'s PG-19 text): one line, exit status 2."""
+    monkeypatch.setenv("H2O_KV_DATA", folder)
+    monkeypatch.chdir(tmp_path)  # no ./shared/data or ../shared/data either
+    done = subprocess.run([sys.executable, "-m", "h2o_kv", "bench", "kv-memory", "--tokens", "16",
+                           "--settings", "dynamic", "--json", str(tmp_path / "m.json")],
+                          capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith("error: ") and "H2O_KV_DATA" in done.stderr

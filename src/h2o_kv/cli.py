@@ -22,6 +22,7 @@ import typer
 from typer.core import TyperGroup
 
 from .budget import Budget
+from .harness.data import MissingData
 from .registry import BOUNDED_POLICIES, POLICY_NAMES, SERVER_POLICIES, PolicySpec, options_help, parse_policy
 
 try:  # typer vendors click since 0.2x
@@ -111,6 +112,9 @@ class _Group(HelpGroup):
         except typer.Abort:
             typer.echo("Aborted.", err=True)
             sys.exit(1)
+        except MissingData as err:  # any command reading the shared data folder
+            typer.echo(f"error: {plain(str(err))}", err=True)
+            sys.exit(2)
         sys.exit(status or 0)
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import platform
 import types
 
 import pytest
@@ -212,21 +211,3 @@ def test_engine_config_refuses_a_sliding_window_model_and_kv_connectors(tmp_path
     connector = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both")
     with pytest.raises(ValueError, match="KV connectors"):
         EngineArgs(str(llama), kv_transfer_config=connector, **args).create_engine_config()
-
-
-@needs_vllm
-def test_the_plugin_fixes_glibcs_mmap_threshold_in_each_process(monkeypatch):
-    """vLLM starts its engine and worker with an environment of its own (no ``MALLOC_*``): the plugin, which runs in
-    each of them, sets the threshold itself."""
-    from h2o_kv.vllm import plugin
-
-    calls = []
-    monkeypatch.setattr(plugin, "fix_mmap_threshold", lambda: calls.append(1) or True)
-    monkeypatch.setenv(ENV, ServeConfig("h2o", budget=0.2).to_env())
-    plugin.register()
-    assert calls == [1]
-    monkeypatch.delenv(ENV)
-    plugin.register()  # without a setting the plugin changes nothing
-    assert calls == [1]
-    monkeypatch.undo()
-    assert plugin.fix_mmap_threshold() is (platform.libc_ver()[0] == "glibc")

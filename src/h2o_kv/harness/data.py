@@ -17,27 +17,31 @@ _START = re.compile(r"\*\*\*\s*START OF (?:THE|THIS) PROJECT GUTENBERG E-?BOOK.*
 _END = re.compile(r"\*\*\*\s*END OF (?:THE|THIS) PROJECT GUTENBERG E-?BOOK", re.IGNORECASE)
 
 
+class MissingData(FileNotFoundError):
+    """The shared data folder, or a file in it, is missing (the command line reports it in one line, exit status 2)."""
+
+
 def data_dir() -> Path:
-    """The shared data folder; raises ``FileNotFoundError`` naming ``$H2O_KV_DATA`` when there is none."""
+    """The shared data folder; raises :class:`MissingData` naming ``$H2O_KV_DATA`` when there is none."""
     if os.environ.get(ENV):
         folder = Path(os.environ[ENV]).expanduser()
         if not folder.is_dir():
-            raise FileNotFoundError(f"${ENV} is {folder}, which is not a folder")
+            raise MissingData(f"${ENV} is {folder}, which is not a folder")
         return folder
     for candidate in (Path("shared/data"), Path("../shared/data")):
         if candidate.is_dir():
             return candidate.resolve()
-    raise FileNotFoundError(
+    raise MissingData(
         f"no shared data folder: set ${ENV} to the folder holding MANIFEST.md (not found at ./shared/data or "
         "../shared/data)"
     )
 
 
 def data_path(relative: str | Path) -> Path:
-    """A file or folder inside the shared data folder; raises ``FileNotFoundError`` naming it when it is missing."""
+    """A file or folder inside the shared data folder; raises :class:`MissingData` naming it when it is missing."""
     path = data_dir() / relative
     if not path.exists():
-        raise FileNotFoundError(f"{path} not found in the shared data folder (${ENV} or ./shared/data, ../shared/data)")
+        raise MissingData(f"{path} not found in the shared data folder (${ENV} or ./shared/data, ../shared/data)")
     return path
 
 

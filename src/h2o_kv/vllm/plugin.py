@@ -25,7 +25,6 @@ def register() -> None:
     from . import patches
 
     patches.install()  # refuses an untested vLLM first
-    fix_mmap_threshold()
     from . import blocks
 
     blocks.register()
@@ -34,26 +33,3 @@ def register() -> None:
 
     register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND)
     _cached_get_attn_backend.cache_clear()  # a backend chosen before (an engine without the setting) is forgotten
-
-
-MMAP_THRESHOLD = 128 * 1024  # bytes
-_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
-
-
-def fix_mmap_threshold() -> bool:
-    """Fix glibc's mmap threshold at 128 KiB in this process (``mallopt``); False where the C library is not glibc.
-
-    glibc raises the threshold each time a large block is freed (up to 32 MiB); from then on a prefill's
-    activations, of a different size for every prompt, come from the heap and fragment it, and a long-running
-    worker's RSS creeps up (+7% in a 5-minute soak of 64 clients). A fixed threshold keeps every block of 128 KiB or
-    more mmapped, returned to the system when freed. Done here, at the plugin's start in each vLLM process, because
-    vLLM starts its engine and worker processes with an environment of its own, which drops ``MALLOC_*`` variables.
-    """
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"))
-        return bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
-    except (OSError, AttributeError, TypeError):  # not glibc (musl, macOS): nothing to fix
-        return False
