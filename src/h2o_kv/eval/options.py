@@ -85,7 +85,8 @@ def kv_setting(
     setting = KVSetting.of(
         name, budget=budget, heavy=heavy, recent=recent, option="--policy", kv_bits=kv_bits, reconstruct=reconstruct
     )
-    setting.require_extras("--peer" if peer is not None else "--policy/--kv-bits")  # before any work
+    if kv_bits is not None:  # dynamic with kv_bits is transformers' quanto cache: its extra, before any work
+        setting.require_extras("--policy/--kv-bits")
     return setting
 
 
