@@ -12,6 +12,10 @@ VLLM=${VLLM_ENV:-.venv-vllm}/bin/h2o-kv
 MAIN=${MAIN_ENV:-.venv}/bin/h2o-kv
 SPACE=0.3570556640625  # GiB: 65 blocks of 128 tokens = 4 decode-heavy requests at full length (docs/serving.md)
 what=${1:-all}
+if [[ $what != vllm && $what != transformers && $what != all ]]; then
+  echo "error: argument must be vllm, transformers or all, got $what" >&2
+  exit 2
+fi
 mkdir -p "$OUT"
 
 if [[ $what == vllm || $what == all ]]; then
@@ -32,8 +36,4 @@ if [[ $what == transformers || $what == all ]]; then
     --out "$OUT/transformers_decode_heavy.json"
   "$MAIN" bench run --contexts 3072 --batches 16 --policies dynamic,h2o --budget 0.2 --new-tokens 64 --threads 1 \
     --out "$OUT/transformers_prompt_heavy.json"
-fi
-if [[ $what != vllm && $what != transformers && $what != all ]]; then
-  echo "error: argument must be vllm, transformers or all, got $what" >&2
-  exit 2
 fi
