@@ -311,6 +311,16 @@ def test_serve_refuses_what_the_server_cannot_run_saying_why():
     )
 
 
+def test_bench_serve_checks_the_vllm_arguments_it_passes_on(tmp_path):
+    """``bench serve ... -- ARGS`` gives ARGS to every setting's server, refused as ``h2o-kv serve`` refuses them."""
+    error = one_line_error(invoke("bench", "serve", "--policies", "h2o@0.2", "--out", str(tmp_path / "r.json"),
+                                  "--", "--kv-transfer-config", "{}"))  # fmt: skip
+    assert (
+        error == "error: --kv-transfer-config: KV connectors (they would move compacted blocks) are not supported "
+        "with --policy h2o\n"
+    )
+
+
 # -- with the default model -------------------------------------------------------------------------------------
 
 

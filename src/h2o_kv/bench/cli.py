@@ -303,11 +303,13 @@ def profile_cmd(
 
 SERVE_HELP = """Serving throughput of KV settings through vLLM (h2o-kv serve + vllm bench serve), one fresh server per
 setting, at a fixed KV space; one JSON per setting (OUT_<setting>.json), a markdown table (OUT.md) and a plot (OUT.png).
+Arguments after -- go to every setting's vllm serve as given (-- --data-parallel-size 2).
 """
 
 
-@app.command("serve", help=SERVE_HELP)
+@app.command("serve", help=SERVE_HELP, context_settings={"allow_extra_args": True})
 def serve_cmd(
+    ctx: typer.Context,
     policies: str = typer.Option(
         "full,h2o",
         help="Settings, comma-separated: full, POLICY (with --budget), POLICY@RATIO, POLICY@HEAVY+RECENT; POLICY "
@@ -349,11 +351,11 @@ def serve_cmd(
         from ..vllm.serve import ServeOptions
 
         for setting in settings:
-            ServeOptions(setting.config, port=port)  # vLLM and the plugin installed?
+            ServeOptions(setting.config, port=port, extra=tuple(ctx.args))  # vLLM, the plugin, the args after --
     except ValueError as err:
         raise fail(str(err)) from None
     bench = ServeBench(settings, WORKLOADS[workload], requests, concurrency, kv_bytes, out, fit=kv_fit, port=port,
-                       seed=seed, progress=console.print)  # fmt: skip
+                       seed=seed, vllm_args=tuple(ctx.args), progress=console.print)  # fmt: skip
     results = bench.run()
     extra = transformers_rows(transformers) if transformers else []
     table = comparison_table(results, extra)

@@ -276,6 +276,7 @@ class ServeBench:
     seed: int = 0
     api_key: str | None = None
     log_dir: Path | None = None
+    vllm_args: tuple[str, ...] = ()  # more vllm serve arguments for every setting (e.g. --data-parallel-size 2)
     progress: Any = print
 
     def paths(self, setting: Setting) -> Path:
@@ -311,7 +312,8 @@ class ServeBench:
             max_len = 8192
         gb = self.kv_cache_bytes / 2**30  # a power-of-two scale: exact, so the bytes come back unchanged
         return ServeOptions(setting.config, port=self.port, api_key=self.api_key, kv_cache_gb=gb,
-                            max_model_len=min(max_len, 8192), extra=("--block-size", str(BLOCK_SIZE)))  # fmt: skip
+                            max_model_len=min(max_len, 8192),
+                            extra=("--block-size", str(BLOCK_SIZE), *self.vllm_args))  # fmt: skip
 
     def run_setting(self, setting: Setting, dataset: Path | None, work: Path, path: Path) -> dict:
         options = self.server_options(setting)
@@ -359,7 +361,8 @@ class ServeBench:
             "kv_fit_requests": self.fit,
             "engine": info,
             "server_command": describe(server.argv, server.env),
-            "server_env": {"H2O_KV_VLLM": server.env.get("H2O_KV_VLLM")},
+            "server_env": {name: server.env.get(name) for name in ("H2O_KV_VLLM", "VLLM_CPU_OMP_THREADS_BIND")},
+            "vllm_args": list(self.vllm_args),
             "bench_command": command and " ".join(command),
             "startup_s": round(startup_s, 1),
             "max_running": monitor.peak("running"),
