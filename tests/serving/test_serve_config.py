@@ -211,3 +211,17 @@ def test_engine_config_refuses_a_sliding_window_model_and_kv_connectors(tmp_path
     connector = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both")
     with pytest.raises(ValueError, match="KV connectors"):
         EngineArgs(str(llama), kv_transfer_config=connector, **args).create_engine_config()
+
+
+def test_the_worker_returns_its_freed_heap_every_few_seconds(monkeypatch):
+    """:func:`h2o_kv.vllm.heap.after_step` (called after each worker step) trims once per interval, not per step."""
+    from h2o_kv.vllm import heap
+
+    clock, trims = [1000.0], []
+    monkeypatch.setattr(heap.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(heap, "trim_heap", lambda: trims.append(clock[0]))
+    monkeypatch.setattr(heap, "_last_trim", clock[0])
+    for _ in range(40):  # 40 steps of 0.5 s
+        clock[0] += 0.5
+        heap.after_step()
+    assert trims == [1000.0 + 5.0 * k for k in (1, 2, 3, 4)]

@@ -17,7 +17,8 @@ Installed by the plugin (:mod:`h2o_kv.vllm.plugin`) in every vLLM process when a
   (:mod:`h2o_kv.vllm.blocks`), not a patch.
 * ``GPUModelRunner.execute_model`` (worker; the CPU runner inherits it): tells the attention backend
   (:mod:`h2o_kv.vllm.attention`) which request each batch row is, commits the step's slot counts once it ran, and
-  drops the state of finished requests.
+  drops the state of finished requests; every few seconds it returns the worker's freed heap to the OS
+  (:mod:`h2o_kv.vllm.heap`).
 """
 
 from __future__ import annotations
@@ -165,10 +166,12 @@ def _patch_kv_groups() -> None:
 def _patch_model_runner() -> None:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from . import attention
+    from . import attention, heap
 
     @_wrap(GPUModelRunner, "execute_model")
     def execute_model(original, self, scheduler_output, *args, **kwargs):
         done = (*scheduler_output.finished_req_ids, *(scheduler_output.preempted_req_ids or ()))
         with attention.step(self, done):
-            return original(self, scheduler_output, *args, **kwargs)
+            output = original(self, scheduler_output, *args, **kwargs)
+        heap.after_step()
+        return output
