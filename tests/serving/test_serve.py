@@ -106,6 +106,25 @@ def test_the_command_is_vllms_server_with_the_setting_in_the_environment(tmp_pat
     assert [f for k, v in config.engine_args().items() for f in flag(k, v)] == ["--no-enable-prefix-caching"]
 
 
+def test_served_processes_keep_no_onednn_primitive_cache_unless_told(tmp_path, monkeypatch):
+    """oneDNN's own primitive cache grew the worker for a whole soak (h2o_kv.vllm.heap): off by default, the start
+    line shows it, and a value the user set is kept."""
+    from h2o_kv.vllm.config import ServeConfig
+    from h2o_kv.vllm.serve import ServeOptions, describe, serve_command
+
+    if not HAS_VLLM:
+        pytest.skip("vLLM is not installed")
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    argv, env = serve_command(ServeOptions(ServeConfig("h2o", heavy=8, recent=8), port=8299), tmp_path)
+    assert env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "0"
+    assert describe(argv, env).startswith("ONEDNN_PRIMITIVE_CACHE_CAPACITY=0 H2O_KV_VLLM=")
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "256")
+    assert (
+        serve_command(ServeOptions(ServeConfig("full"), port=8299), tmp_path)[1]["ONEDNN_PRIMITIVE_CACHE_CAPACITY"]
+        == "256"
+    )
+
+
 # -- a real server ----------------------------------------------------------------------------------------------
 
 

@@ -44,7 +44,8 @@ from typing import Any
 
 from ..harness import records
 from ..harness.tables import mean, percentile
-from ..vllm.config import ServeConfig
+from ..vllm import heap
+from ..vllm.config import ENV, ServeConfig
 from ..vllm.serve import ServeOptions, ServerProcess, describe, vllm_cli, vllm_distribution
 from .monitor import Monitor, scrape
 from .serve_report import one_line
@@ -361,7 +362,7 @@ class ServeBench:
             "kv_fit_requests": self.fit,
             "engine": info,
             "server_command": describe(server.argv, server.env),
-            "server_env": {name: server.env.get(name) for name in ("H2O_KV_VLLM", "VLLM_CPU_OMP_THREADS_BIND")},
+            "server_env": {name: server.env.get(name) for name in (ENV, "VLLM_CPU_OMP_THREADS_BIND", *heap.ENV)},
             "vllm_args": list(self.vllm_args),
             "bench_command": command and " ".join(command),
             "startup_s": round(startup_s, 1),

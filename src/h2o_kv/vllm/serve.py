@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
+from . import heap
 from .config import ENV, ServeConfig, model_refusal
 
 # vllm serve options that h2o-kv serve sets itself (given after `--` they would silently conflict)
@@ -157,7 +158,7 @@ def serve_command(options: ServeOptions, model_dir: str | Path) -> tuple[list[st
     for name, value in options.config.engine_args().items():
         argv += flag(name, value)
     argv += list(options.extra)
-    env = dict(os.environ)
+    env = {**heap.ENV, **os.environ}
     env.pop(ENV, None)
     if options.kv_cache_bytes is not None:
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # the CPU platform's legacy variable would override the size
@@ -194,7 +195,7 @@ def describe(argv: list[str], env: dict[str, str]) -> str:
     import shlex
 
     shown = ["***" if i and argv[i - 1] == "--api-key" else a for i, a in enumerate(argv)]
-    prefix = f"{ENV}={shlex.quote(env[ENV])} " if ENV in env else ""
+    prefix = "".join(f"{name}={shlex.quote(env[name])} " for name in (*heap.ENV, ENV) if name in env)
     return prefix + shlex.join(shown)
 
 
