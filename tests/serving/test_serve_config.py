@@ -215,11 +215,12 @@ def test_engine_config_refuses_a_sliding_window_model_and_kv_connectors(tmp_path
 
 def test_the_worker_returns_its_freed_heap_every_few_seconds(monkeypatch):
     """:func:`h2o_kv.vllm.heap.after_step` (called after each worker step) trims once per interval, not per step."""
+    from h2o_kv.bench import memory
     from h2o_kv.vllm import heap
 
     clock, trims = [1000.0], []
     monkeypatch.setattr(heap.time, "monotonic", lambda: clock[0])
-    monkeypatch.setattr(heap, "trim_heap", lambda: trims.append(clock[0]))
+    monkeypatch.setattr(memory, "trim_heap", lambda: trims.append(clock[0]))
     monkeypatch.setattr(heap, "_last_trim", clock[0])
     for _ in range(40):  # 40 steps of 0.5 s
         clock[0] += 0.5

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import time
 
-from ..bench.memory import trim_heap
-
 ENV = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0"}  # given to the vllm serve process (a value already set is kept)
 INTERVAL_S = 5.0  # a trim costs milliseconds; a step of this server takes 50-500 ms
 _last_trim = time.monotonic()
@@ -25,6 +23,8 @@ def after_step() -> bool:
     global _last_trim
     if time.monotonic() - _last_trim < INTERVAL_S:
         return False
+    from ..bench.memory import trim_heap  # imports torch: not at import time (h2o-kv serve checks options first)
+
     trim_heap()
     _last_trim = time.monotonic()
     return True
