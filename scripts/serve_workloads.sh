@@ -3,8 +3,8 @@
 # in one invocation each (same KV space), then the transformers backend at the same shapes. Resumable: a setting
 # whose JSON exists is kept (delete it to measure again). Run on a quiet machine, from a clean tree (records say).
 #   bash scripts/serve_workloads.sh [vllm|transformers|all]     (VLLM_ENV: the vLLM venv, MAIN_ENV: the main venv)
-# Cost on the 2-core CPU: 42 min for the vLLM rows; the transformers rows: 5 min at 4 x 4,096, over 15 min per
-# setting at the decode-heavy and prompt-heavy shapes (one thread).
+# Cost on the 2-core CPU: 42 min for the vLLM rows; the transformers rows about 40 min (4 x 4,096: 5 min; decode-heavy:
+# 13 + 7 min, prompt-heavy: 10 + 7 min; one thread).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results/serve}
