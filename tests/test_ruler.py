@@ -119,3 +119,24 @@ def test_run_resumes_and_records(default_model, tmp_path):
     again = run_ruler(job, model, tokenizer, path, model_name="m")
     assert again["items"][0]["answer"] == "resumed" and not log.exists()
     assert again["metrics"]["score"] == pytest.approx((0.5 + first["items"][1]["score"]) / 2)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--protocol", "question_after"], "--protocol question_after: a server request compresses its whole prompt"),
+        (["--reconstruct", "max"], "--reconstruct: the reconstruction pass cannot run in a server request"),
+        (["--policy", "ada_h2o"], "gives each KV head its own budget (Ada-KV), which the serving backend"),
+        (["--policy", "global_h2o"], "shares one budget across all layers, which the serving backend does not"),
+        ([], "--server http://127.0.0.1:9: no OpenAI-compatible server answers there"),
+    ],
+)
+def test_server_refusals_are_one_line_before_any_work(args, message):
+    """``--server``: what a server request cannot run is refused, naming the option; so is a server that is not
+    there (port 9: nothing listens). The items never start."""
+    from h2o_kv.eval.cli import app
+
+    base = ["ruler", "--server", "http://127.0.0.1:9", "--policy", "h2o", "--budget", "0.2",
+            "--protocol", "question_in_prompt"]  # fmt: skip
+    result = CliRunner().invoke(app, base + args)
+    assert result.exit_code == 2 and message in result.output and len(result.output.strip().splitlines()) == 1

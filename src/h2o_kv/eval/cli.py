@@ -11,7 +11,22 @@ import typer
 
 from ..cli import HELP_STYLE, HelpGroup, as_options
 from ..registry import split_specs
-from .options import BUDGET, DEVICE, DTYPE, HEAVY, JSON, KV_BITS, MODEL, PEER, POLICY, RECENT, RECONSTRUCT, kv_setting
+from .options import (
+    API_KEY,
+    BUDGET,
+    DEVICE,
+    DTYPE,
+    HEAVY,
+    JSON,
+    KV_BITS,
+    MODEL,
+    PEER,
+    POLICY,
+    RECENT,
+    RECONSTRUCT,
+    SERVER,
+    kv_setting,
+)
 
 app = typer.Typer(
     help="Quality at a given KV setting, on real data.",
@@ -36,16 +51,34 @@ def _setting(*args, **kwargs):
         fail(as_options(str(err), "budget", "heavy", "recent", "kv_bits", "reconstruct"))
 
 
-def _prepare(make: Callable[[], Any], handle):
-    """Validate (``make()``), then load the model: every bad input fails here, before the long work."""
+def _prepare(make: Callable[[], Any], handle, *, load: bool = True):
+    """Validate (``make()``), then load the model (unless not ``load``: the items run on a ``--server``): every
+    bad input fails here, before the long work."""
     try:
         job = make()
         from transformers.utils import logging as transformers_logging
 
         transformers_logging.disable_progress_bar()
-        return job, handle.model()
+        return job, handle.model() if load else None
     except (ValueError, FileNotFoundError, ImportError) as err:
         fail(str(err))
+
+
+def _server_runner(server: str | None, api_key: str | None, setting, handle, protocol: str = "question_in_prompt"):
+    """The :class:`~h2o_kv.eval.server.ServerRunner` of ``--server`` (None without it): the setting is one a server
+    runs, the protocol one a request can express, the server answers and serves the ``--model`` (its tokenizer)."""
+    if server is None:
+        return None
+    from .server import ServerRunner
+
+    if protocol != "question_in_prompt":
+        raise ValueError(f"--protocol {protocol}: a server request compresses its whole prompt, question included; "
+                         "use --protocol question_in_prompt with --server")  # fmt: skip
+    runner = ServerRunner(server, setting, api_key=api_key)
+    if Path(handle.label).name != runner.model:
+        raise ValueError(f"--server {server} serves {runner.model}, not --model {handle.label} (whose tokenizer "
+                         "makes the prompts)")  # fmt: skip
+    return runner
 
 
 def _wrote(*paths: Path | None) -> None:
@@ -265,6 +298,8 @@ def needle(
     png: Path = typer.Option(None, "--png", help="Write the heatmap (depth x length) here."),
     compare: list[Path] = typer.Option(None, "--compare", help="Other needle result JSONs drawn next to this one."),
     json_path: Path = JSON,
+    server: str = SERVER,
+    api_key: str = API_KEY,
     model: str = MODEL,
     dtype: str = DTYPE,
     device: str = DEVICE,
@@ -277,8 +312,11 @@ def needle(
     from .runner import ModelHandle
 
     handle = ModelHandle(model, dtype, device)
+    runner = None
 
     def make():
+        nonlocal runner
+        runner = _server_runner(server, api_key, setting, handle)
         others = []
         for path in compare or []:
             if not path.is_file():
@@ -287,17 +325,16 @@ def needle(
         parse_ints(lengths, "lengths", 1), parse_ints(depths, "depths", 0, 100)  # before the model loads
         from ..models import model_context_length
 
-        job = NeedleJob.create(
-            setting, lengths, depths, handle.tokenizer(), max_length=model_context_length(handle.model())
-        )
+        context = runner.max_model_len if runner else model_context_length(handle.model())
+        job = NeedleJob.create(setting, lengths, depths, handle.tokenizer(), max_length=context)
         return job, others
 
-    (job, others), loaded = _prepare(make, handle)
+    (job, others), loaded = _prepare(make, handle, load=server is None)
     bar, advance = _bar(len(job.lengths) * len(job.depths), f"needle {job.setting.name}")
     with bar:
         record = run_needle(
             job, loaded, handle.tokenizer(), json_path, model_name=handle.label, png=png, compare=others,
-            progress=advance,
+            progress=advance, runner=runner,
         )  # fmt: skip
     for key, value in record["metrics"].items():
         typer.echo(f"{key} {value:.3f}")
@@ -322,6 +359,8 @@ def ruler(
     peer: str = PEER,
     reconstruct: str = RECONSTRUCT,
     json_path: Path = JSON,
+    server: str = SERVER,
+    api_key: str = API_KEY,
     model: str = MODEL,
     dtype: str = DTYPE,
     device: str = DEVICE,
@@ -333,22 +372,28 @@ def ruler(
     from .runner import ModelHandle, check_protocol
 
     handle = ModelHandle(model, dtype, device)
+    runner = None
 
     def make():
-        check_protocol(setting, False)
+        nonlocal runner
+        runner = _server_runner(server, api_key, setting, handle, protocol)
+        if runner is None:
+            check_protocol(setting, False)
         from ..models import model_context_length
 
         # every option is checked (and the haystack tokenized, once) before the model loads; then the context
         job = RulerJob.create(
             setting, handle.tokenizer(), lengths=lengths, tasks=tasks, n=n, seed=seed, protocol=protocol
         )  # fmt: skip
-        parse_ints(job.lengths, "lengths", 256, model_context_length(handle.model()) - 128)
+        context = runner.max_model_len if runner else model_context_length(handle.model())
+        parse_ints(job.lengths, "lengths", 256, context - 128)
         return job
 
-    job, loaded = _prepare(make, handle)
+    job, loaded = _prepare(make, handle, load=server is None)
     bar, advance = _bar(len(job.lengths) * len(job.tasks) * job.n, f"ruler {job.setting.name}")
     with bar:
-        record = run_ruler(job, loaded, handle.tokenizer(), json_path, model_name=handle.label, progress=advance)
+        record = run_ruler(job, loaded, handle.tokenizer(), json_path, model_name=handle.label, progress=advance,
+                           runner=runner)  # fmt: skip
     metrics = record["metrics"]
     for key in [k for k in metrics if not k.endswith("_stderr")]:
         typer.echo(f"{key} {metrics[key]:.3f} ± {metrics[key + '_stderr'] or 0:.3f}")

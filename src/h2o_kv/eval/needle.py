@@ -29,6 +29,7 @@ from .options import check_options
 from .prompts import chat_prompt_ids, generate_text, has_chat_template
 from .results import ItemLog, finish_result, item_log_path
 from .runner import KVRunner
+from .server import ServerRunner, server_field
 
 HAYSTACK_DIR = "haystack/PaulGrahamEssays"
 NEEDLE = "The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day."
@@ -139,12 +140,16 @@ def run_needle(
     compare: Sequence[dict[str, Any]] = (),
     progress: Callable[[int], None] | None = None,
     keep_item_log: bool = False,
+    runner=None,
 ) -> dict[str, Any]:
-    """Run the grid (resumable per cell), write the JSON and, with ``png``, the heatmap (depth x length)."""
-    runner = KVRunner(model, job.setting, tokenizer=tokenizer)
+    """Run the grid (resumable per cell), write the JSON and, with ``png``, the heatmap (depth x length).
+    ``runner``: where the cells run instead of ``model`` (a :class:`~h2o_kv.eval.server.ServerRunner`)."""
+    runner = runner or KVRunner(model, job.setting, tokenizer=tokenizer)
     log = None
     if json_path is not None:
         settings = {"model": model_name, **job.setting.fields(), "needle": NEEDLE, "question": QUESTION}
+        if isinstance(runner, ServerRunner):  # a server's cells are not the transformers backend's: another log
+            settings["server"] = runner.xargs
         log = ItemLog(item_log_path(json_path), settings)
     start = time.time()
     cells = []
@@ -189,9 +194,10 @@ def run_needle(
         },
         "data": job.data(),
         "time_s": round(time.time() - start, 1),
+        **server_field(runner),
     }
     record = finish_result(
-        json_path, "needle", metrics, fields, setting=job.setting, device=model.device, keep_item_log=keep_item_log
+        json_path, "needle", metrics, fields, setting=job.setting, device=runner.device, keep_item_log=keep_item_log
     )
     if png is not None:
         plot_heatmaps([record, *compare], png)

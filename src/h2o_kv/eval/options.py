@@ -44,6 +44,13 @@ RECONSTRUCT = typer.Option(
     "policy's observation window; about twice the prefill cost.",
 )
 JSON = typer.Option(None, "--json", help="Write the result JSON here (resumable).")
+SERVER = typer.Option(
+    None,
+    "--server",
+    help="Run the items through a running server's OpenAI API instead (h2o-kv serve, e.g. http://127.0.0.1:8000): "
+    "the same prompts, the setting as each request's vllm_xargs; no model loads here (only its tokenizer).",
+)
+API_KEY = typer.Option(None, "--api-key", help="The --server's API key.")
 KV_BITS = typer.Option(
     None,
     "--kv-bits",

@@ -45,6 +45,7 @@ from .options import check_options, option_int
 from .prompts import has_chat_template
 from .results import ItemLog, finish_result, item_log_path
 from .runner import KVRunner
+from .server import ServerRunner, server_field
 
 TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe")
 PROTOCOLS = ("question_after", "question_in_prompt")
@@ -352,12 +353,16 @@ def run_ruler(
     model_name: str,
     progress: Callable[[int], None] | None = None,
     keep_item_log: bool = False,
+    runner=None,
 ) -> dict[str, Any]:
-    """Run every item (resumable through the item log) and write the result record."""
-    runner = KVRunner(model, job.setting, tokenizer=tokenizer)
+    """Run every item (resumable through the item log) and write the result record. ``runner``: where the items
+    run instead of ``model`` (a :class:`~h2o_kv.eval.server.ServerRunner`: a server's OpenAI API)."""
+    runner = runner or KVRunner(model, job.setting, tokenizer=tokenizer)
     # what an item's answer depends on (not which items run: a run with more items or lengths reuses finished ones)
     settings = {"model": model_name, **job.setting.fields(), "seed": job.seed, "protocol": job.protocol,
                 "max_new_tokens": MAX_NEW_TOKENS}  # fmt: skip
+    if isinstance(runner, ServerRunner):  # a server's items are not the transformers backend's: another log
+        settings["server"] = runner.xargs
     log = ItemLog(item_log_path(json_path), settings) if json_path is not None else None
     eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
     start = time.time()
@@ -404,9 +409,10 @@ def run_ruler(
         },
         "data": job.data(),
         "time_s": round(time.time() - start, 1),
+        **server_field(runner),
     }
     metrics = summarize(rows, job.tasks, job.lengths)
-    return finish_result(json_path, "ruler", metrics, fields, setting=job.setting, device=model.device,
+    return finish_result(json_path, "ruler", metrics, fields, setting=job.setting, device=runner.device,
                          keep_item_log=keep_item_log)  # fmt: skip
 
 
