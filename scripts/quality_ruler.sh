@@ -8,6 +8,8 @@
 # --reconstruct sum / max),
 # PEERS (kvpress presses, run after the policies; they need the peer environment of docs/eval-tasks.md:
 # H2O_KV=.venv-peer/bin/h2o-kv POLICIES= PEERS="snapkv kvzip" scripts/quality_ruler.sh eval).
+# SERVER (a running `h2o-kv serve` URL: the items go through its OpenAI API, each setting as the request's
+# vllm_xargs; question_in_prompt only: SERVER=http://127.0.0.1:8311 PROTOCOL=question_in_prompt ... eval).
 # The defaults are what a shared 2-core machine finished in one session; a run with more N or LENGTHS reuses the
 # finished items (delete the result JSON first: a finished cell is skipped).
 set -euo pipefail
@@ -44,5 +46,5 @@ for cell in "${cells[@]}"; do
   echo "=== $(date -u +%T) $cell -> $json"
   # shellcheck disable=SC2086
   "$h2o_kv" eval ruler $cell "${budget[@]}" --lengths "$lengths" --tasks "$tasks" --n "$n" \
-    --seed "$seed" --protocol "$protocol" --json "$json"
+    --seed "$seed" --protocol "$protocol" --json "$json" ${SERVER:+--server "$SERVER"}
 done
