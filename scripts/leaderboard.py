@@ -5,16 +5,19 @@
 Each cell is the setting's score and its paired change against the full cache (``dynamic``) over the same items,
 with the 95% interval; an empty cell was not run. Benchmarks and their records:
 
-* RULER, question after the context, 1k and 2k tokens (``results/quality/ruler-eval``,
-  ``results/quality/2k/ruler-eval``): suite mean over tasks of ``string_match_all``; the change is the mean over
-  tasks of item-by-item differences;
+* RULER 1k, 100 items (20 per task), both protocols (``results/quality/n100/question_after``,
+  ``.../question_in_prompt``) and the question-in-prompt items sent through ``h2o-kv serve``'s OpenAI API
+  (``.../question_in_prompt/server``, its own full cache as the baseline); and the first 10-item runs, 1k and 2k
+  (``results/quality/ruler-eval``, ``results/quality/2k/ruler-eval``): suite mean over tasks of
+  ``string_match_all``; the change is the mean over tasks of item-by-item differences;
 * needle, question in the prompt, 1k tokens (``results/eval-tasks/needle_*``, ``results/quality/needle``): the
   five depth cells at 1,024 tokens;
 * XSUM, 50 articles (``results/eval-tasks/xsum_*``, ``results/quality/eval/xsum_*``): ROUGE-2 (x100);
 * lm-eval tasks, 5-shot, 100 items each (``results/eval-tasks/tasks_*``, prefill protocol;
   ``results/quality/eval/tasks_*``): mean accuracy (x100), the change averaged over tasks.
 
-Rows are ``setting @ budget``, every budget found (``--budgets 0.1,0.2`` selects).
+Rows are ``setting @ budget``, every budget found (``--budgets 0.1,0.2`` selects). A column's header ends with its
+items per setting; a cell whose record (or its baseline's) names no commit or a dirty tree is marked ``†``.
 
 Reads only the JSON records (each holds its command, commit and versions); prints markdown, draws the plot.
 """
@@ -66,28 +69,41 @@ def tasks(record: dict, base: dict) -> tuple[Estimate, Estimate]:
     return value, average([paired(acc(record, t), acc(base, t)) for t in names])
 
 
+N100 = "results/quality/n100"
 BENCHMARKS: dict[str, tuple[tuple[str, ...], Callable]] = {
-    "RULER 1k, question after": (("results/quality/ruler-eval/*.json",), ruler),
-    "RULER 2k, question after": (("results/quality/2k/ruler-eval/*.json",), ruler),
+    "RULER 1k, question after (100)": ((f"{N100}/question_after/ruler-eval/*.json",), ruler),
+    "RULER 1k, question in prompt (100)": ((f"{N100}/question_in_prompt/ruler-eval/*.json",), ruler),
+    "same, through h2o-kv serve (100)": ((f"{N100}/question_in_prompt/server/ruler-eval/*.json",), ruler),
+    "RULER 1k, question after (10)": (("results/quality/ruler-eval/*.json",), ruler),
+    "RULER 2k, question after (10)": (("results/quality/2k/ruler-eval/*.json",), ruler),
     "needle 1k": (("results/eval-tasks/needle_*.json", "results/quality/needle/*.json"), needle),
     "XSUM-50 ROUGE-2": (("results/eval-tasks/xsum_*.json", "results/quality/eval/xsum_*.json"), xsum),
     "lm-eval tasks mean acc": (("results/eval-tasks/tasks_[!p]*.json", "results/quality/eval/tasks_*.json"), tasks),
 }
 
 
-def collect(budgets: list[float] | None = None) -> dict[str, dict[str, tuple[Estimate, Estimate | None]]]:
-    """{benchmark: {"setting @ B%": (score, paired change vs the full cache)}} for the records at ``budgets`` (all
-    budgets when ``None``)."""
-    table: dict[str, dict[str, tuple[Estimate, Estimate | None]]] = {}
+def trusted(record: dict) -> bool:
+    """Whether the record names the commit that ran it from a clean tree (else it is marked in the table)."""
+    return bool(record.get("git")) and record["git"].get("commit") is not None and record["git"].get("dirty") is False
+
+
+Cell = tuple[Estimate, Estimate | None, bool]  # score, paired change vs the full cache, trusted record(s)
+
+
+def collect(budgets: list[float] | None = None) -> dict[str, dict[str, Cell]]:
+    """{benchmark: {"setting @ B%": (score, paired change vs the full cache, trusted)}} for the records at
+    ``budgets`` (all budgets when ``None``)."""
+    table: dict[str, dict[str, Cell]] = {}
     for bench, (patterns, score) in BENCHMARKS.items():
         found = [r for r in _records(*patterns) if r.get("kind") != "sweep"]
         base = next((r for r in found if r["policy"] == BASELINE and not r.get("kv_bits")), None)
         if base is None:
             continue
-        cells = {BASELINE: (score(base, base)[0], None)}
+        cells = {BASELINE: (score(base, base)[0], None, trusted(base))}
         for record in found:
             if record["policy"] != BASELINE and (budgets is None or record.get("budget") in budgets):
-                cells[f"{row_name(record)} @ {100 * record['budget']:g}%"] = score(record, base)
+                setting = f"{row_name(record)} @ {100 * record['budget']:g}%"
+                cells[setting] = (*score(record, base), trusted(record) and trusted(base))
         table[bench] = cells
     return table
 
@@ -118,13 +134,15 @@ def main() -> None:
             if setting not in cells:
                 row.append("")
                 continue
-            value, change = cells[setting]
+            value, change, clean = cells[setting]
             row.append(
                 f"{value.value:.2f}"
                 + ("" if change is None else f" ({change.format(digits=2, sign=True, interval=True)})")
+                + ("" if clean else " †")
             )
         rows.append(row)
     print("\n".join(markdown(["setting", *table], rows)))
+    print("\n(N): items per setting. †: a record (or its baseline's) from a dirty tree or without a commit (legacy).")
     if args.plot is not None:
         plot(table, settings, args.plot)
 

@@ -19,9 +19,10 @@ def load_leaderboard():
     return module
 
 
-def ruler_record(policy, scores, budget=None):
+def ruler_record(policy, scores, budget=None, dirty=False):
     items = [{"task": task, "length": 1024, "index": i, "score": s} for (task, i), s in scores.items()]
-    return {"kind": "ruler", "policy": policy, "budget": budget, "tasks": ["a", "b"], "items": items}
+    git = {"commit": "abc", "dirty": dirty}
+    return {"kind": "ruler", "policy": policy, "budget": budget, "tasks": ["a", "b"], "items": items, "git": git}
 
 
 def test_paired_change_against_the_full_cache_by_hand(tmp_path, monkeypatch, capsys):
@@ -31,24 +32,30 @@ def test_paired_change_against_the_full_cache_by_hand(tmp_path, monkeypatch, cap
     mine = {("a", 0): 1.0, ("a", 1): 0.0, ("b", 0): 0.0, ("b", 1): 0.0}
     (folder / "dynamic.json").write_text(json.dumps(ruler_record("dynamic", full)))
     (folder / "h2o_0.2.json").write_text(json.dumps(ruler_record("h2o", mine, 0.2)))
-    (folder / "h2o_0.4.json").write_text(json.dumps(ruler_record("h2o", full, 0.4)))  # another budget: its own row
+    (folder / "h2o_0.4.json").write_text(json.dumps(ruler_record("h2o", full, 0.4, dirty=True)))  # its own row
     record = dict(ruler_record("window_h2o", full, 0.2), reconstruct="max")
     (folder / "window_h2o+recmax_0.2.json").write_text(json.dumps(record))
     monkeypatch.chdir(tmp_path)
     board = load_leaderboard()
-    assert set(board.collect([0.2])["RULER 1k, question after"]) == {"dynamic", "h2o @ 20%", "window_h2o+recmax @ 20%"}
+    assert set(board.collect([0.2])["RULER 1k, question after (10)"]) == {
+        "dynamic",
+        "h2o @ 20%",
+        "window_h2o+recmax @ 20%",
+    }
     table = board.collect()
-    assert list(table) == ["RULER 1k, question after"]  # benchmarks without records are left out
-    cells = table["RULER 1k, question after"]
+    assert list(table) == ["RULER 1k, question after (10)"]  # benchmarks without records are left out
+    cells = table["RULER 1k, question after (10)"]
     assert set(cells) == {"dynamic", "h2o @ 20%", "h2o @ 40%", "window_h2o+recmax @ 20%"}
     assert cells["dynamic"][1] is None and cells["h2o @ 40%"][1].value == 0
-    score, change = cells["h2o @ 20%"]
+    score, change, trusted = cells["h2o @ 20%"]
+    assert trusted and not cells["h2o @ 40%"][2]  # a dirty record is marked
     assert score.value == pytest.approx((0.5 + 0.0) / 2)  # mean over tasks of the task means
     assert change.value == pytest.approx(((0.0 - 1.0) / 2 + (0.0 - 0.5) / 2) / 2)  # paired, item by item
     monkeypatch.setattr("sys.argv", ["leaderboard.py", "--plot", str(tmp_path / "board.png")])
     board.main()
     out = capsys.readouterr().out
     assert "| h2o @ 20% | 0.25 (-0.38 [" in out and (tmp_path / "board.png").stat().st_size > 0
+    assert "| h2o @ 40% | 0.62 (+0.00 [+0.00, +0.00]) † |" in out
     monkeypatch.setattr("sys.argv", ["leaderboard.py", "--settings", "window_h2o+recmax", "--budgets", "0.2"])
     board.main()
     out = capsys.readouterr().out
