@@ -95,12 +95,12 @@ def collect(budgets: list[float] | None = None) -> dict[str, dict[str, Cell]]:
     ``budgets`` (all budgets when ``None``)."""
     table: dict[str, dict[str, Cell]] = {}
     for bench, (patterns, score) in BENCHMARKS.items():
-        found = [r for r in _records(*patterns) if r.get("kind") != "sweep"]
-        base = next((r for r in found if r["policy"] == BASELINE and not r.get("kv_bits")), None)
+        found = sorted((r for r in _records(*patterns) if r.get("kind") != "sweep"), key=trusted)  # trusted last
+        base = next((r for r in reversed(found) if r["policy"] == BASELINE and not r.get("kv_bits")), None)
         if base is None:
             continue
         cells = {BASELINE: (score(base, base)[0], None, trusted(base))}
-        for record in found:
+        for record in found:  # a setting measured twice: the trusted record replaces a legacy one
             if record["policy"] != BASELINE and (budgets is None or record.get("budget") in budgets):
                 setting = f"{row_name(record)} @ {100 * record['budget']:g}%"
                 cells[setting] = (*score(record, base), trusted(record) and trusted(base))

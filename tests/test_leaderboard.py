@@ -32,6 +32,8 @@ def test_paired_change_against_the_full_cache_by_hand(tmp_path, monkeypatch, cap
     mine = {("a", 0): 1.0, ("a", 1): 0.0, ("b", 0): 0.0, ("b", 1): 0.0}
     (folder / "dynamic.json").write_text(json.dumps(ruler_record("dynamic", full)))
     (folder / "h2o_0.2.json").write_text(json.dumps(ruler_record("h2o", mine, 0.2)))
+    legacy = dict(ruler_record("h2o", full, 0.2), git=None)  # the same setting measured before: the trusted one wins
+    (folder / "h2o_0.2_z_legacy.json").write_text(json.dumps(legacy))
     (folder / "h2o_0.4.json").write_text(json.dumps(ruler_record("h2o", full, 0.4, dirty=True)))  # its own row
     record = dict(ruler_record("window_h2o", full, 0.2), reconstruct="max")
     (folder / "window_h2o+recmax_0.2.json").write_text(json.dumps(record))
