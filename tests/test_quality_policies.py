@@ -231,6 +231,30 @@ def test_global_budget_keeps_the_model_total_and_the_best_entries(tiny, policy, 
     assert sum(int(layer.valid.sum()) for layer in cache.layers) == n_layers * heads * (capacity + grows)
 
 
+@pytest.mark.parametrize("policy", ["global_h2o", "global_window_h2o"])
+def test_recent_share_resplits_the_budget_and_equals_the_same_counts(tiny, policy):
+    """``recent_share`` moves entries from the recent window to the pooled ranking, the capacity unchanged: a ratio
+    budget's even split re-split to 0.2 runs exactly as heavy/recent counts of that split (tokens, logits and every
+    head's kept columns through 12 decode steps), and differs from the even split."""
+    assert (
+        make_policy(f"{policy}:recent_share=0.2", 5, 5).heavy,
+        make_policy(f"{policy}:recent_share=0.2", 5, 5).recent,
+    ) == (8, 2)
+    assert make_policy(f"{policy}:recent_share=0", 5, 5).recent == 1  # the newest entry stays protected
+    assert make_policy(policy, 7, 3).recent == 3  # None: the budget's own split
+    model, ids = tiny["llama"], random_prompt(48, seed=6)
+    runs = []
+    caches = [H2OCache(heavy=5, recent=5, policy=policy, recent_share=0.2), H2OCache(heavy=8, recent=2, policy=policy),
+              H2OCache(heavy=5, recent=5, policy=policy)]  # fmt: skip
+    for cache in caches:
+        tokens, logits = greedy_generate(model, ids, cache, 12)
+        runs.append((tokens.tolist(), logits, all_kept(cache)))
+    assert runs[0][0] == runs[1][0] and torch.equal(runs[0][1], runs[1][1]) and runs[0][2] == runs[1][2]
+    assert runs[0][2] != runs[2][2]
+    with pytest.raises(ValueError, match=r"recent_share must be a number in \[0, 1\]"):
+        make_policy(policy, 5, 5, recent_share=1.5)
+
+
 def test_an_evaluation_reports_the_mean_count_a_global_policy_keeps(tiny):
     """``Session.kept`` (an evaluation record's ``kept``, its ``kv_kept_ratio``) is the mean over layers and heads:
     a global policy holds the model total at unequal counts, so its largest layer is no measure of its memory."""

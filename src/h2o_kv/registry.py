@@ -71,6 +71,8 @@ SINKS = Option("sinks", int, 4, low=0)
 SEED = Option("seed", int, 0, low=0)
 ALPHA = Option("alpha", float, 0.2, low=0, high=1)  # Ada-KV's per-head safeguard
 ALPHA_0 = Option("alpha", float, 0.0, low=0, high=1)  # ... none by default over all layers (KVzip)
+# the share of each head's entries held by the recent window (None: the budget's split, even for a ratio)
+RECENT_SHARE = Option("recent_share", float, None, low=0, high=1)
 SNAPKV = (WINDOW, KERNEL, POOLING)
 
 
@@ -101,9 +103,9 @@ REGISTRY: MappingProxyType[str, Entry] = MappingProxyType({
     "ada_h2o": Entry("adakv:AdaH2O", (ALPHA,)),
     "ada_snapkv": Entry("adakv:AdaSnapKV", (*SNAPKV, ALPHA)),
     "ada_window_h2o": Entry("adakv:AdaWindowH2O", (WINDOW, ALPHA)),
-    "global_h2o": Entry("global_budget:GlobalH2O", (ALPHA_0,)),
-    "global_snapkv": Entry("global_budget:GlobalSnapKV", (*SNAPKV, ALPHA_0)),
-    "global_window_h2o": Entry("global_budget:GlobalWindowH2O", (WINDOW, ALPHA_0)),
+    "global_h2o": Entry("global_budget:GlobalH2O", (ALPHA_0, RECENT_SHARE)),
+    "global_snapkv": Entry("global_budget:GlobalSnapKV", (*SNAPKV, ALPHA_0, RECENT_SHARE)),
+    "global_window_h2o": Entry("global_budget:GlobalWindowH2O", (WINDOW, ALPHA_0, RECENT_SHARE)),
 })  # fmt: skip
 
 POLICY_NAMES: tuple[str, ...] = tuple(REGISTRY)

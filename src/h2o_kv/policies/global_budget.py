@@ -27,12 +27,28 @@ class AcrossLayers(HeadAdaptive):
     afterwards (one eviction per head and step for a policy that evicts while decoding). Scores must be comparable
     across layers (attention mass is: each query row's probabilities sum to 1 in every layer).
 
+    ``recent_share``: the share of each head's ``capacity`` kept as its recent window (at least one entry), the rest
+    going to the pooled ranking; None keeps the budget's split (even for a ratio, as in H2O). Pooled over all layers,
+    every head's protected window is paid for in every layer: a smaller share leaves more of the model's budget to
+    the best-ranked entries (chosen on the tuning split at 10%, docs/quality.md). The capacity is unchanged.
+
     Memory: the model holds exactly ``layers * heads * capacity`` valid entries per sequence (the uniform total); a
     layer's slot buffer is padded to its largest head's count, at most the prompt length, and while a prompt is
     scored every layer holds all its entries (as a full cache would).
     """
 
     alpha: float = 0.0
+    recent_share: float | None = None
+
+    def __post_init__(self):
+        share = self.recent_share
+        if share is not None:
+            if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
+                raise ValueError(f"recent_share must be a number in [0, 1], got {share!r}")
+            capacity = self.heavy + self.recent
+            self.recent = min(capacity, max(1, round(share * capacity)))
+            self.heavy = capacity - self.recent
+        super().__post_init__()
 
     across_layers: ClassVar[bool] = True
 
