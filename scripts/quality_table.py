@@ -1,6 +1,9 @@
 """The RULER tables of docs/quality.md and the README leaderboard, from the result records of one folder.
 
     python scripts/quality_table.py results/quality/ruler-eval [--baseline dynamic] [--budget 0.2]
+    python scripts/quality_table.py results/quality/ruler-dev-split results/quality/ruler-dev/dynamic.json
+
+Paths are folders (their ``*.json``) or record files.
 
 Rows: one KV setting; columns: each task's mean score (items scored by string_match_all), the suite mean (mean over
 tasks) with its 95% interval, and the paired difference with the baseline over the same items (mean over tasks of
@@ -19,15 +22,16 @@ from h2o_kv.harness.tables import markdown, mean, over_groups
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("folder", type=Path)
+    parser.add_argument("paths", type=Path, nargs="+")
     parser.add_argument("--baseline", default="dynamic")
     parser.add_argument("--budget", type=float, default=None, help="only the bounded settings at this budget")
     args = parser.parse_args()
-    records = [json.loads(p.read_text()) for p in sorted(args.folder.glob("*.json"))]
+    files = [file for path in args.paths for file in (sorted(path.glob("*.json")) if path.is_dir() else [path])]
+    records = [json.loads(p.read_text()) for p in files]
     records = [r for r in records if r.get("kind") == "ruler"]
     records = [r for r in records if args.budget is None or not r["bounded"] or r["budget"] == args.budget]
     if not records:
-        raise SystemExit(f"Error: no ruler records in {args.folder}")
+        raise SystemExit(f"Error: no ruler records in {' '.join(map(str, args.paths))}")
     tasks = records[0]["tasks"]
     base = next((r for r in records if r["policy"] == args.baseline), None)
     header = ["setting", *tasks, "mean [95% CI]", f"vs {args.baseline} (paired) [95% CI]", "items", "kept"]
@@ -41,7 +45,8 @@ def main() -> None:
             key = lambda i: (i["task"], i["length"], i["index"])  # noqa: E731
             diffs = [[i["score"] - base_score[key(i)] for i in by_task[t]] for t in tasks]
             delta = over_groups(diffs, "paired difference").format(digits=2, sign=True, interval=True)
-        setting = row_name(r) if not r["bounded"] else f"{row_name(r)} @ {100 * r['budget']:g}%"
+        budget = f"{100 * r['budget']:g}%" if r.get("budget") is not None else f"{r['heavy']}+{r['recent']}"
+        setting = row_name(r) if not r["bounded"] else f"{row_name(r)} @ {budget}"
         rows.append([
             setting, *(f"{mean([i['score'] for i in by_task[t]]).value:.2f}" for t in tasks),
             suite.format(digits=2, interval=True), delta, str(len(r["items"])), f"{r['kv_kept_ratio']:.2f}",
