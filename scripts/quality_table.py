@@ -45,8 +45,9 @@ def main() -> None:
             key = lambda i: (i["task"], i["length"], i["index"])  # noqa: E731
             diffs = [[i["score"] - base_score[key(i)] for i in by_task[t]] for t in tasks]
             delta = over_groups(diffs, "paired difference").format(digits=2, sign=True, interval=True)
-        budget = f"{100 * r['budget']:g}%" if r.get("budget") is not None else f"{r['heavy']}+{r['recent']}"
-        setting = row_name(r) if not r["bounded"] else f"{row_name(r)} @ {budget}"
+        setting = row_name(r)
+        if r["bounded"]:
+            setting += f" @ {100 * r['budget']:g}%" if r.get("budget") is not None else f" @ {r['heavy']}+{r['recent']}"
         rows.append([
             setting, *(f"{mean([i['score'] for i in by_task[t]]).value:.2f}" for t in tasks),
             suite.format(digits=2, interval=True), delta, str(len(r["items"])), f"{r['kv_kept_ratio']:.2f}",

@@ -62,3 +62,22 @@ def test_paired_change_against_the_full_cache_by_hand(tmp_path, monkeypatch, cap
     board.main()
     out = capsys.readouterr().out
     assert "| window_h2o+recmax @ 20% | 0.62 (+0.00 [" in out and "| dynamic | 0.62 |" in out and "| h2o @" not in out
+
+
+def test_quality_table_reads_folders_and_files_and_labels_count_budgets(tmp_path, monkeypatch, capsys):
+    """scripts/quality_table.py: a folder and a record file together; a heavy/recent budget is labelled by its
+    counts; the paired change is against the baseline's same items."""
+    spec = importlib.util.spec_from_file_location("quality_table", ROOT / "scripts" / "quality_table.py")
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    full = {("a", 0): 1.0, ("a", 1): 1.0, ("b", 0): 0.5, ("b", 1): 0.0}
+    mine = {("a", 0): 1.0, ("a", 1): 0.0, ("b", 0): 0.0, ("b", 1): 0.0}
+    (tmp_path / "runs").mkdir()
+    counts = dict(ruler_record("h2o", mine), heavy=9, recent=1, bounded=True, kv_kept_ratio=0.1)
+    (tmp_path / "runs" / "h2o_h9_r1.json").write_text(json.dumps(counts))
+    base = dict(ruler_record("dynamic", full), bounded=False, kv_kept_ratio=1.0)
+    (tmp_path / "dynamic.json").write_text(json.dumps(base))
+    monkeypatch.setattr("sys.argv", ["quality_table.py", str(tmp_path / "runs"), str(tmp_path / "dynamic.json")])
+    table.main()
+    out = capsys.readouterr().out
+    assert "| h2o @ 9+1 | 0.50 | 0.00 | 0.25 [" in out and "| -0.38 [" in out and "| dynamic | 1.00 | 0.25 |" in out
