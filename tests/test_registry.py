@@ -20,7 +20,16 @@ from h2o_kv.registry import (
 )
 
 # a value other than the default for every option type
-OTHER = {"decay": 0.5, "window": 16, "kernel": 5, "pooling": "avg", "sinks": 2, "seed": 7, "alpha": 0.5}
+OTHER = {
+    "decay": 0.5,
+    "window": 16,
+    "kernel": 5,
+    "pooling": "avg",
+    "sinks": 2,
+    "seed": 7,
+    "alpha": 0.5,
+    "recent_share": 0.5,
+}
 
 
 def test_the_policies_are_the_registry():
