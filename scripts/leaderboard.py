@@ -1,6 +1,7 @@
 """The quality leaderboard of the README (issue 12): KV settings x benchmarks at one budget, from the result records.
 
-    python scripts/leaderboard.py --plot results/quality/leaderboard.png > results/quality/leaderboard.md
+    python scripts/leaderboard.py --benchmarks "(10),needle,XSUM,lm-eval" --plot results/quality/leaderboard.png \
+        > results/quality/leaderboard.md                                                          # the first board
     python scripts/leaderboard.py --benchmarks "(100)" --plot results/quality/n100/leaderboard.png  # 100 items
 
 Each cell is the setting's score and its paired change against the full cache (``dynamic``) over the same items,
@@ -121,11 +122,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budgets", default=None, help="comma-separated ratios (default: every budget found)")
     parser.add_argument("--settings", default=None, help="comma-separated setting names (default: every one found)")
-    parser.add_argument("--benchmarks", default=None, help="only the benchmarks whose name holds this text")
+    parser.add_argument("--benchmarks", default=None, help="comma-separated: only benchmarks whose name holds one")
     parser.add_argument("--plot", type=Path, default=None)
     args = parser.parse_args()
     table = collect(None if args.budgets is None else [float(b) for b in args.budgets.split(",")])
-    table = {bench: cells for bench, cells in table.items() if args.benchmarks is None or args.benchmarks in bench}
+    wanted = None if args.benchmarks is None else args.benchmarks.split(",")
+    table = {bench: cells for bench, cells in table.items() if wanted is None or any(w in bench for w in wanted)}
     settings = sorted({s for cells in table.values() for s in cells}, key=order)
     if args.settings is not None:
         wanted = {BASELINE, *args.settings.split(",")}
