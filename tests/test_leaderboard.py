@@ -81,3 +81,22 @@ def test_quality_table_reads_folders_and_files_and_labels_count_budgets(tmp_path
     table.main()
     out = capsys.readouterr().out
     assert "| h2o @ 9+1 | 0.50 | 0.00 | 0.25 [" in out and "| -0.38 [" in out and "| dynamic | 1.00 | 0.25 |" in out
+
+
+def test_compare_answers_counts_equal_answers_item_by_item(tmp_path):
+    import subprocess
+    import sys
+
+    def record(answers):
+        items = [{"task": "a", "length": 1024, "index": i, "answer": text} for i, text in enumerate(answers)]
+        return json.dumps({"kind": "ruler", "items": items})
+
+    (tmp_path / "x.json").write_text(record(["1", "2"]))
+    (tmp_path / "y.json").write_text(record(["1", "3"]))
+    script = str(ROOT / "scripts" / "compare_answers.py")
+    same = subprocess.run([sys.executable, script, str(tmp_path / "x.json"), str(tmp_path / "x.json")],
+                          capture_output=True, text=True)  # fmt: skip
+    assert same.returncode == 0 and same.stdout.startswith("2/2 answers equal")
+    differ = subprocess.run([sys.executable, script, str(tmp_path / "x.json"), str(tmp_path / "y.json")],
+                            capture_output=True, text=True)  # fmt: skip
+    assert differ.returncode == 1 and differ.stdout.startswith("1/2 answers equal") and "'2' | '3'" in differ.stdout
