@@ -69,11 +69,9 @@ def _server_runner(server: str | None, api_key: str | None, setting, handle, pro
     runs, the protocol one a request can express, the server answers and serves the ``--model`` (its tokenizer)."""
     if server is None:
         return None
-    from .server import ServerRunner
+    from .server import ServerRunner, check_protocol
 
-    if protocol != "question_in_prompt":
-        raise ValueError(f"--protocol {protocol}: a server request compresses its whole prompt, question included; "
-                         "use --protocol question_in_prompt with --server")  # fmt: skip
+    check_protocol(protocol)
     runner = ServerRunner(server, setting, api_key=api_key)
     if Path(handle.label).name != runner.model:
         raise ValueError(f"--server {server} serves {runner.model}, not --model {handle.label} (whose tokenizer "
@@ -386,7 +384,7 @@ def ruler(
             setting, handle.tokenizer(), lengths=lengths, tasks=tasks, n=n, seed=seed, protocol=protocol
         )  # fmt: skip
         context = runner.max_model_len if runner else model_context_length(handle.model())
-        parse_ints(job.lengths, "lengths", 256, context - 128)
+        parse_ints(job.lengths, "lengths", 256, None if context is None else context - 128)
         return job
 
     job, loaded = _prepare(make, handle, load=server is None)

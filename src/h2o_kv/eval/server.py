@@ -20,6 +20,13 @@ from typing import Any
 from ..harness.setting import KVSetting
 
 
+def check_protocol(protocol: str) -> None:
+    """A server request compresses its whole prompt: only ``question_in_prompt`` can run through ``--server``."""
+    if protocol != "question_in_prompt":
+        raise ValueError(f"--protocol {protocol}: a server request compresses its whole prompt, question included; "
+                         "use --protocol question_in_prompt with --server")  # fmt: skip
+
+
 @dataclass
 class ServerSession:
     """What a request kept: KV entries per layer and KV head after its prompt, by the budget rule the server runs."""
@@ -75,7 +82,7 @@ class ServerRunner:
         if not served:
             raise ValueError(f"--server {url}: the server lists no model")
         self.model = served[0].id
-        self.max_model_len = getattr(served[0], "max_model_len", None)
+        self.max_model_len = getattr(served[0], "max_model_len", None)  # vLLM lists it; None: not checked here
 
     device = "server"  # the record's device: nothing ran in this process
 
@@ -105,8 +112,7 @@ class ServerRunner:
         """As :meth:`KVRunner.generate`: the server decodes up to ``max_new_tokens`` (stopping at the model's EOS);
         the tokens are then cut where ``KVRunner`` would have stopped (an ``eos_ids`` token or ``stop``)."""
         if len(then):
-            raise ValueError("--protocol question_after: a server request compresses its whole prompt, question "
-                             "included; use --protocol question_in_prompt with --server")  # fmt: skip
+            check_protocol("question_after")
         reply = self.client.completions.create(
             model=self.model, prompt=list(ids), max_tokens=max_new_tokens, temperature=0,
             extra_body={"vllm_xargs": self.xargs, "return_token_ids": True, "skip_special_tokens": True},
