@@ -18,8 +18,8 @@ with the 95% interval; an empty cell was not run. Benchmarks and their records:
 * lm-eval tasks, 5-shot, 100 items each (``results/eval-tasks/tasks_*``, prefill protocol;
   ``results/quality/eval/tasks_*``): mean accuracy (x100), the change averaged over tasks.
 
-Rows are ``setting @ budget``, every budget found (``--budgets 0.1,0.2`` selects). A column's header ends with its
-items per setting; a cell whose record (or its baseline's) names no commit or a dirty tree is marked ``†``.
+Rows are ``setting @ budget``, every budget found (``--budgets 0.1,0.2`` selects). A RULER column's header ends with
+its items per setting; a cell whose record (or its baseline's) names no commit or a dirty tree is marked ``†``.
 
 Reads only the JSON records (each holds its command, commit and versions); prints markdown, draws the plot.
 """
