@@ -255,6 +255,37 @@ def test_recent_share_resplits_the_budget_and_equals_the_same_counts(tiny, polic
         make_policy(policy, 5, 5, recent_share=1.5)
 
 
+@pytest.mark.parametrize("policy", ["window_h2o", "global_window_h2o"])
+def test_decode_grow_compresses_the_prompt_once_then_keeps_every_later_token(tiny, policy):
+    """``decode=grow`` (kvpress' protocol): the prompt is compressed exactly as with ``decode=evict`` (same logits;
+    after the first later token ``evict`` holds the same entries less one per head), then every later token joins
+    the cache and nothing is evicted, while ``evict`` stays at its per-head counts. (A global policy selects at the
+    next forward's first layer, so the first later token is where both have compressed the prompt.)"""
+    model, ids, later = tiny["llama"], random_prompt(48, seed=6), random_prompt(9, seed=5)[0]
+    caches = {decode: H2OCache(heavy=5, recent=5, policy=policy, decode=decode) for decode in ("evict", "grow")}
+    logits, first = {}, {}
+    with torch.no_grad():
+        for decode, cache in caches.items():
+            logits[decode] = model(ids, **cache_kwargs(cache), use_cache=True).logits
+            cache.stepwise = True
+            for step, token in enumerate(later):
+                model(token.view(1, 1), **cache_kwargs(cache), use_cache=True)
+                first[decode] = all_kept(cache) if step == 0 else first[decode]
+    assert torch.equal(logits["evict"], logits["grow"])
+    pairs = [(e, g) for layer_e, layer_g in zip(first["evict"], first["grow"], strict=True)
+             for e, g in zip(layer_e, layer_g, strict=True)]  # fmt: skip
+    assert all(48 in g and e <= g and len(g) == len(e) + 1 for e, g in pairs)
+    assert sum(len(e) for e, _ in pairs) == len(pairs) * 10  # the budget: heavy + recent per head on average
+    new = set(range(49, 48 + len(later)))
+    assert all_kept(caches["grow"]) == [[head | new for head in layer] for layer in first["grow"]]
+    assert [[len(h) for h in layer] for layer in all_kept(caches["evict"])] == [
+        [len(h) for h in layer] for layer in first["evict"]
+    ]
+    assert caches["grow"].policy.describe().count("decode=grow") == 1 and caches["evict"].policy.evicts_during_decode
+    with pytest.raises(ValueError, match="decode must be one of evict, grow"):
+        make_policy(policy, 5, 5, decode="keep")
+
+
 def test_an_evaluation_reports_the_mean_count_a_global_policy_keeps(tiny):
     """``Session.kept`` (an evaluation record's ``kept``, its ``kv_kept_ratio``) is the mean over layers and heads:
     a global policy holds the model total at unequal counts, so its largest layer is no measure of its memory."""

@@ -29,6 +29,7 @@ OTHER = {
     "seed": 7,
     "alpha": 0.5,
     "recent_share": 0.5,
+    "decode": "grow",
 }
 
 

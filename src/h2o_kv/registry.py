@@ -74,6 +74,7 @@ ALPHA_0 = Option("alpha", float, 0.0, low=0, high=1)  # ... none by default over
 # the share of each head's entries held by the recent window (None: the budget's split, even for a ratio)
 RECENT_SHARE = Option("recent_share", float, None, low=0, high=1)
 SNAPKV = (WINDOW, KERNEL, POOLING)
+DECODE = Option("decode", str, "evict", choices=("evict", "grow"))  # evict while decoding (H2O) or grow (presses)
 
 
 @dataclass(frozen=True)
@@ -99,13 +100,13 @@ REGISTRY: MappingProxyType[str, Entry] = MappingProxyType({
     "h2o_mean": Entry("h2o:H2OMean"),
     "a2sf": Entry("a2sf:A2SF", (DECAY,)),
     "keydiff": Entry("keydiff:KeyDiff"),
-    "window_h2o": Entry("window_h2o:WindowH2O", (WINDOW,)),
+    "window_h2o": Entry("window_h2o:WindowH2O", (WINDOW, DECODE)),
     "ada_h2o": Entry("adakv:AdaH2O", (ALPHA,)),
     "ada_snapkv": Entry("adakv:AdaSnapKV", (*SNAPKV, ALPHA)),
-    "ada_window_h2o": Entry("adakv:AdaWindowH2O", (WINDOW, ALPHA)),
+    "ada_window_h2o": Entry("adakv:AdaWindowH2O", (WINDOW, DECODE, ALPHA)),
     "global_h2o": Entry("global_budget:GlobalH2O", (ALPHA_0, RECENT_SHARE)),
     "global_snapkv": Entry("global_budget:GlobalSnapKV", (*SNAPKV, ALPHA_0, RECENT_SHARE)),
-    "global_window_h2o": Entry("global_budget:GlobalWindowH2O", (WINDOW, ALPHA_0, RECENT_SHARE)),
+    "global_window_h2o": Entry("global_budget:GlobalWindowH2O", (WINDOW, DECODE, ALPHA_0, RECENT_SHARE)),
 })  # fmt: skip
 
 POLICY_NAMES: tuple[str, ...] = tuple(REGISTRY)

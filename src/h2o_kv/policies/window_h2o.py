@@ -8,6 +8,8 @@ from typing import ClassVar
 
 from .h2o import H2O
 
+DECODES = ("evict", "grow")
+
 
 @dataclass
 class WindowH2O(H2O):
@@ -18,15 +20,27 @@ class WindowH2O(H2O):
     at a decode step it is that step's mass, so from then on the score is H2O's running sum and one entry is evicted
     per step. ``window=1`` with a one-token prompt chunk and stepwise feeding is H2O. The ``recent`` newest entries
     are protected as in H2O (and cover the window when ``recent >= window``).
+
+    ``decode``: ``evict`` (H2O: the cache stays at ``heavy + recent`` entries, one eviction per step) or ``grow``
+    (compress the prompt once, then let the cache grow by every later token, as SnapKV, KVzip and kvpress' presses
+    do: in kvpress' protocol, where the question follows the compressed context, a press holds the question and the
+    answer on top of its budget, and ``grow`` gives the policy exactly that memory).
     """
 
     window: int = 32
+    decode: str = "evict"
 
     name: ClassVar[str] = "window_h2o"
 
     def __post_init__(self):
         if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
             raise ValueError(f"window must be an integer >= 1, got {self.window!r}")
+        if self.decode not in DECODES:
+            raise ValueError(f"decode must be one of {', '.join(DECODES)}, got {self.decode!r}")
+
+    @property
+    def evicts_during_decode(self) -> bool:
+        return self.decode == "evict"
 
     @property
     def observation_window(self) -> int:
@@ -36,4 +50,5 @@ class WindowH2O(H2O):
         return scores + last
 
     def describe(self) -> str:
-        return f"{self.name}(heavy={self.heavy}, recent={self.recent}, window={self.window})"
+        grow = ", decode=grow" if self.decode == "grow" else ""
+        return f"{self.name}(heavy={self.heavy}, recent={self.recent}, window={self.window}{grow})"
