@@ -4,10 +4,11 @@
         --json results/quality/memory.json
 
 For the first item of each evaluation-split task (seed 0, 1k tokens, question after): the valid entries over all
-layers and KV heads, and the slots allocated, each as a fraction of a full cache of the compressed tokens (the
-model-wide mean; the records' ``kept`` is the largest head's count instead), and each layer's largest head (a
-fraction of the prompt). Head-adaptive and across-layers policies pad each layer's buffer to its largest head, so
-they allocate more than they keep.
+layers and KV heads, the key/value bytes allocated (``H2OCache.stats()``: head-adaptive and across-layers policies
+store each head's entries packed, plus one free slot per head for the next token) and the bytes a buffer padded to
+each layer's largest head would allocate (the layout before packing, ``H2OCache(packed=False)``), each as a fraction
+of a full cache of the compressed tokens (the model-wide mean), and each layer's largest head (a fraction of the
+prompt).
 """
 
 from __future__ import annotations
@@ -43,21 +44,27 @@ def main() -> None:
     rows = {}
     for label in args.settings:
         runner = KVRunner(model, setting_of(label, args.budget), tokenizer=tokenizer)
-        kept, allocated, largest = [], [], []
+        kept, allocated, padded, largest = [], [], [], []
         for item in job.items():
             compressed, _ = prompt_segments(tokenizer, item, job.protocol)
-            layers = runner.prefill(compressed).cache.layers
+            cache = runner.prefill(compressed).cache
+            layers = cache.layers
             full = sum(layer.keys.shape[1] for layer in layers) * len(compressed)
             kept.append(sum(int(layer.valid.sum()) for layer in layers) / full)
-            allocated.append(sum(layer.slots * layer.keys.shape[1] for layer in layers) / full)
+            allocated.append(cache.stats()["kv_ratio"])
+            padded.append(sum(layer.slots * layer.keys.shape[1] for layer in layers) / full)
             largest.append([int(layer.entry_count().max()) / len(compressed) for layer in layers])
         row = rows[label] = {
             "kept": mean(kept).value,
             "allocated": mean(allocated).value,
+            "allocated_padded": mean(padded).value,
             "largest_head_by_layer": [round(sum(column) / len(column), 3) for column in zip(*largest, strict=True)],
             "items": len(kept),
         }
-        print(f"{label} @ {100 * args.budget:g}%: kept {row['kept']:.3f}, allocated {row['allocated']:.3f}")
+        print(
+            f"{label} @ {100 * args.budget:g}%: kept {row['kept']:.3f}, allocated {row['allocated']:.3f} "
+            f"(padded to the largest head: {row['allocated_padded']:.3f})"
+        )
     records.write(args.json, "kv-memory-after-prefill", {"budget": args.budget, "tasks": job.tasks, "settings": rows})
 
 

@@ -68,8 +68,13 @@ def test_h2o_equals_the_transformers_backend(llm, tiny, plain):
         ({"h2o_policy": "keydiff"}, dict(policy="keydiff", heavy=16, recent=16)),  # ranks by keys (read in Python)
         # compresses the prompt, then grows; capacity 48 > its window of 32, so the window's scores choose 16 entries
         ({"h2o_policy": "snapkv", "h2o_heavy": 40, "h2o_recent": 8}, dict(policy="snapkv", heavy=40, recent=8)),
+        # the question-aware H2O compressing the prompt once, then growing (kvpress' protocol)
+        (
+            {"h2o_policy": "window_h2o:decode=grow", "h2o_heavy": 16, "h2o_recent": 16},
+            dict(policy="window_h2o", heavy=16, recent=16, decode="grow"),
+        ),
     ],
-    ids=["counts", "ratio", "floor", "local", "tova", "a2sf", "keydiff", "snapkv"],
+    ids=["counts", "ratio", "floor", "local", "tova", "a2sf", "keydiff", "snapkv", "window_h2o_grow"],
 )
 def test_per_request_settings_equal_the_transformers_backend(llm, tiny, xargs, options):
     prompts = PROMPTS[2:6]

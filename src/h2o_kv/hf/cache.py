@@ -48,6 +48,7 @@ from .. import kernels
 from ..budget import Budget
 from ..policies import Policy, make_policy
 from . import compat, quant
+from .packed import PackedSlots, padded
 from .quant import QuantizedSlots
 from .slots import NO_START, Candidates, Slots
 
@@ -137,8 +138,8 @@ class H2OLayer(Slots):
             self.reserve(rows)
         for i in range(rows):
             self.append(keys[:, :, i : i + 1], values[:, :, i : i + 1], None if is_real is None else is_real[:, i])
-            yield Step(self.keys, self.values, self.pos, self.valid, self.full, self.seen - 1, slice(i, i + 1), None,
-                       policy.needs_attention, 1, False, chunk_bytes)  # fmt: skip
+            yield Step(padded(self.keys), padded(self.values), self.pos, self.valid, self.full, self.seen - 1,
+                       slice(i, i + 1), None, policy.needs_attention, 1, False, chunk_bytes)  # fmt: skip
 
     def observe(self, step: Step, mass: torch.Tensor | None, last: torch.Tensor | None) -> None:
         """Take a step back with the mass its entries received (``mass``: summed over the rows and the query heads of
@@ -164,7 +165,7 @@ class H2OLayer(Slots):
             keys = torch.cat([self.keys.read(self.pos, self.seen), keys], dim=2)
             values = torch.cat([self.values.read(self.pos, self.seen), values], dim=2)
         else:
-            keys, values = torch.cat([self.keys, keys], dim=2), torch.cat([self.values, values], dim=2)
+            keys, values = torch.cat([padded(self.keys), keys], dim=2), torch.cat([padded(self.values), values], dim=2)
         self.seen += chunk
         return Candidates(
             keys=keys,
@@ -206,18 +207,20 @@ class H2OLayer(Slots):
         """Write one token (``[batch, heads, 1, dim]``; ``is_real``: ``[batch]``) into a free slot, in place."""
         free = self._free  # known when the last eviction left exactly one free slot everywhere (steady state)
         if free is None:
-            if self.slots < self.max_slots and int(self.entry_count().max()) >= self.slots:
+            if isinstance(self.keys, PackedSlots):
+                self.grow_segments()
+            elif self.slots < self.max_slots and int(self.entry_count().max()) >= self.slots:
                 self._resize(self.slots + 1)  # grow as a plain cache does: never more slots than entries + 1
             free = self.valid.byte().argmin(-1, keepdim=True)  # [batch, heads, 1]: the first free slot
         real = None if is_real is None or bool(is_real.all()) else is_real
-        quantized = isinstance(self.keys, QuantizedSlots)  # the fused write is for plain buffers
-        ops = None if quantized else kernels.step_ops(self.keys, self.values, self.pos, self.scores, self.valid, free)
+        own_write = isinstance(self.keys, (QuantizedSlots, PackedSlots))  # the fused write is for plain buffers
+        ops = None if own_write else kernels.step_ops(self.keys, self.values, self.pos, self.scores, self.valid, free)
         if ops is not None:  # one fused pass for the five writes below
             ops.write_slot(self.keys, self.values, self.pos, self.scores, self.valid, free, key.contiguous(),
                            value.contiguous(), self.seen)  # fmt: skip
         else:
             for buffer, new in ((self.keys, key), (self.values, value)):
-                if quantized:
+                if own_write:
                     buffer.write(free, new, self.seen)
                     continue
                 buffer.scatter_(2, free.unsqueeze(-1).expand(-1, -1, -1, new.shape[-1]), new)
@@ -284,6 +287,10 @@ class H2OCache(Cache):
             ``kv_group_size`` numbers of each entry (64, as transformers' ``QuantizedCache``); the newest
             ``kv_residual`` columns (64) are also held in full precision and read from there. ``None`` (default):
             full precision. The format and which entries stay exact: :mod:`h2o_kv.hf.quant`.
+        packed: once a head-adaptive or across-layers policy has given its KV heads unequal counts, store each
+            head's entries (and its one free slot) as its own segment, so the bytes allocated are the entries kept
+            (:mod:`h2o_kv.hf.packed`; default). False: pad each layer to its largest head (the same outputs, bit
+            for bit; more memory). With ``kv_bits`` the layout stays padded.
 
     The model's attention implementation must be ``"h2o"``: ``h2o_kv.load_model`` sets it, and
     ``h2o_kv.enable_h2o(model)`` does it for a model loaded with plain ``transformers``.
@@ -303,6 +310,7 @@ class H2OCache(Cache):
         kv_bits: int | None = None,
         kv_group_size: int = quant.DEFAULT_GROUP,
         kv_residual: int = quant.DEFAULT_RESIDUAL,
+        packed: bool = True,
         **policy_options,
     ):
         super().__init__(layers=[])
@@ -316,6 +324,7 @@ class H2OCache(Cache):
         self.prefill_chunk_bytes = int(prefill_chunk_mb * 2**20)
         self.stepwise = stepwise
         self.streaming = bool(streaming)
+        self.packed = bool(packed)
         self.budget: Budget | None = None
         if isinstance(policy, Policy):
             if heavy is not None or recent is not None or budget is not None or min_entries or policy_options:
@@ -359,7 +368,7 @@ class H2OCache(Cache):
         ranks = [policy.keep_score(layer.view()).masked_fill(~layer.valid, -math.inf) for layer in layers]
         for layer, (index, held) in zip(layers, policy.select_layers(ranks, keep), strict=True):
             # valid is cloned: store() clears the layer's flags before gathering when the slot count is unchanged
-            chunk = Candidates(layer.keys, layer.values, layer.pos, layer.valid.clone(), layer.scores)
+            chunk = Candidates(padded(layer.keys), padded(layer.values), layer.pos, layer.valid.clone(), layer.scores)
             layer.store(chunk, index, held, keep, full_budget=keep == policy.capacity)
 
     @contextlib.contextmanager
@@ -460,7 +469,7 @@ class H2OCache(Cache):
         held = self.kept_entries()
 
         def nbytes(t: torch.Tensor) -> int:
-            return t.nbytes() if isinstance(t, QuantizedSlots) else t.numel() * t.element_size()
+            return t.nbytes() if isinstance(t, (QuantizedSlots, PackedSlots)) else t.numel() * t.element_size()
 
         def token_bytes(t: torch.Tensor) -> int:  # one token of a full cache in the model's dtype
             return t.shape[0] * t.shape[1] * t.shape[3] * t.dtype.itemsize

@@ -1,8 +1,9 @@
 """One layer's storage in an :class:`~h2o_kv.hf.cache.H2OCache`: the slot buffer and transformers' cache-layer methods.
 
 The buffer is ``[batch, kv_heads, slots, head_dim]`` keys and values (:class:`~h2o_kv.hf.quant.QuantizedSlots` with
-``kv_bits``) with, per slot, the absolute column of its entry (``pos``), a validity flag (``valid``) and the
-policy's running score (``scores``). Nothing here ranks or evicts: the per-step operations are
+``kv_bits``; :class:`~h2o_kv.hf.packed.PackedSlots`, each head's segment only, once a head-adaptive or across-layers
+policy has given its heads unequal counts) with, per slot, the absolute column of its entry (``pos``), a validity
+flag (``valid``) and the policy's running score (``scores``). Nothing here ranks or evicts: the per-step operations are
 :class:`~h2o_kv.hf.cache.H2OLayer`'s.
 """
 
@@ -17,6 +18,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from ..policies import EntryView
 from . import compat
+from .packed import PackedSlots, padded
 from .quant import QuantizedSlots
 
 if TYPE_CHECKING:
@@ -102,14 +104,14 @@ class Slots(compat.LayerNames, CacheLayerMixin):
 
     def full_keys(self) -> torch.Tensor:
         """The slots' keys in full precision (dequantized with ``kv_bits``)."""
-        return self.keys.read(self.pos, self.seen) if isinstance(self.keys, QuantizedSlots) else self.keys
+        return self.keys.read(self.pos, self.seen) if isinstance(self.keys, QuantizedSlots) else padded(self.keys)
 
     def _resize(self, slots: int) -> None:
         """Reallocate the buffer to ``slots`` slots, keeping the first ``min(old, new)`` entries."""
         keep = min(slots, self.slots)
 
         def resized(t: torch.Tensor, fill) -> torch.Tensor:
-            if isinstance(t, QuantizedSlots):
+            if isinstance(t, (QuantizedSlots, PackedSlots)):
                 return t.resized(slots)
             out = t.new_full((*t.shape[:2], slots, *t.shape[3:]), fill)
             out[:, :, :keep] = t[:, :, :keep]
@@ -127,6 +129,15 @@ class Slots(compat.LayerNames, CacheLayerMixin):
             if self.slots < min(need, self.max_slots):
                 self._resize(int(min(need, self.max_slots)))
 
+    def grow_segments(self) -> None:
+        """Packed: one more slot for each head whose segment is full (a policy that grows after the prompt, or a
+        prompt shorter than its budget); a head at its count keeps the free slot it has."""
+        sizes = torch.maximum(self.keys.sizes, self.entry_count() + 1)
+        if bool((sizes > self.keys.sizes).any()):
+            if int(sizes.max()) > self.slots:
+                self._resize(int(sizes.max()))
+            self.keys, self.values = self.keys.grown(sizes), self.values.grown(sizes)
+
     def store(self, chunk: Candidates, index, held, keep: int, *, full_budget: bool) -> None:
         """Gather the candidates ``index`` (``None``: the first ``keep``) into the slots; ``held``: the head-adaptive
         counts per head (see :meth:`Policy.select`); ``full_budget``: the selection filled the budget."""
@@ -136,6 +147,7 @@ class Slots(compat.LayerNames, CacheLayerMixin):
         # a full budget will need its one free slot at the next token; a shorter prompt grows one slot at a time
         slots = width + 1 if full_budget and policy.evicts_during_decode else width
         new = chunk.keys.shape[2] - self.slots  # the chunk's own entries, last among the candidates
+        self.keys, self.values = padded(self.keys), padded(self.values)  # gathered padded, packed again below
         if self.slots != slots:
             self._resize(slots)
         self._free, self.full = None, False
@@ -153,6 +165,9 @@ class Slots(compat.LayerNames, CacheLayerMixin):
             getattr(self, name)[:, :, :width] = source[:, :, :width]
         if held is not None:
             self.valid[:, :, :width] &= torch.arange(width, device=self.device) < held.unsqueeze(-1)
+            if self.cache.packed and not isinstance(self.keys, QuantizedSlots):  # each head's count + its free slot
+                sizes = held + (slots - width)
+                self.keys, self.values = PackedSlots.pack(self.keys, sizes), PackedSlots.pack(self.values, sizes)
         self.peak_entries = max(self.peak_entries, int(self.entry_count().max()))
 
     # -- transformers' cache-layer contract (besides update) ----------------------------------------------------
