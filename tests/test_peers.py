@@ -10,10 +10,13 @@ import pytest
 import torch
 
 from h2o_kv.eval.runner import KVRunner, score_continuations
+from h2o_kv.eval.tasks import TasksJob
 from h2o_kv.harness.peers import (
+    DECODING_PRESSES,
     PRESSES,
     compression_ratio,
     kvpress_available,
+    press_close,
     press_expand,
     press_extend,
     press_prefill,
@@ -63,7 +66,7 @@ def test_budget_maps_to_the_h2o_entry_count():
     assert press("snapkv", heavy=10, recent=5).entries(100) == 15
 
 
-@pytest.mark.parametrize("name", list(PRESSES))
+@pytest.mark.parametrize("name", [name for name in PRESSES if name not in DECODING_PRESSES])
 def test_press_without_compression_generates_like_the_plain_model(default_model, prompt, name):
     model, tokenizer = default_model
     ids = torch.tensor([prompt])
@@ -90,11 +93,47 @@ def test_press_at_80_percent_shrinks_the_cache(default_model, prompt, name):
         assert masked == [dropped] * len(masked)
     for layer in state.cache.layers:  # PyramidKV's layer budgets fall back to SnapKV's below 6,400 tokens at 20%
         assert layer.keys.shape[2] == (len(prompt) if spec.head_wise else expected)
-    logits = press_extend(model, state, torch.tensor([prompt[-3:]]))  # decoding appends, never evicts
+    logits = press_extend(model, state, torch.tensor([prompt[-3:]]))  # appends; a decoding press compresses back
+    press_close(state)
     assert torch.isfinite(logits).all() and state.cache.get_seq_length() == state.cache.layers[0].keys.shape[2]
-    assert state.cache.layers[0].keys.shape[2] == (len(prompt) if PRESSES[name].head_wise else expected) + 3
+    grown = 0 if spec.decoding else 3
+    assert state.cache.layers[0].keys.shape[2] == (len(prompt) if PRESSES[name].head_wise else expected) + grown
     assert state.next_position == len(prompt) + 3
     assert model.config._attn_implementation == "h2o"
+
+
+def hooked(model) -> int:
+    return sum(len(layer.self_attn._forward_hooks) for layer in model.model.layers)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("name", DECODING_PRESSES)
+def test_decoding_press_keeps_the_budget_while_generating(default_model, prompt, name):
+    """kvpress' ``DecodingPress`` (after its scorer compressed the prefill, exactly as the compress-once press of
+    that scorer does) brings the cache back to the budget after every later forward, a decode step or a chunk;
+    its hooks stay on until :func:`press_close` (or the end of ``KVRunner.generate``), then the model is plain."""
+    model, _ = default_model
+    scorer = name.removeprefix("decoding_")
+    keep = press(name, budget=0.2).entries(len(prompt))
+    once = press_prefill(model, torch.tensor([prompt]), scorer, keep)
+    state = press_prefill(model, torch.tensor([prompt]), name, keep)
+    assert hooked(model) > 0 and state.kept == once.kept == keep
+    assert torch.equal(state.logits, once.logits)
+    lengths = []
+    try:
+        for token in prompt[-6:]:  # decode steps
+            press_extend(model, state, torch.tensor([[token]]))
+            lengths.append(state.cache.get_seq_length())
+        press_extend(model, state, torch.tensor([prompt[-9:]]))  # a question fed at once
+        lengths.append(state.cache.get_seq_length())
+    finally:
+        press_close(state)
+    assert lengths == [keep] * 7 and state.next_position == len(prompt) + 15
+    assert hooked(model) == 0 and model.config._attn_implementation == "h2o"
+    tokens, session = KVRunner(model, press(name, budget=0.2)).generate(prompt, 8)
+    assert len(tokens) == 8 and session.cache.get_seq_length() == keep and hooked(model) == 0
+    with pytest.raises(ValueError, match=f"--peer {name} compresses while generating"):
+        TasksJob.create("piqa", press(name, budget=0.2))
 
 
 @torch.no_grad()

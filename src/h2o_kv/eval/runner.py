@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from transformers import QuantizedCache
 
-from ..harness.peers import press_expand, press_extend, press_prefill, require_kvpress
+from ..harness.peers import press_close, press_expand, press_extend, press_prefill, require_kvpress
 from ..harness.setting import KVSetting, mean_entries
 from ..hf.compat import cache_kwargs
 
@@ -162,14 +162,18 @@ class KVRunner:
         ``then``: tokens fed after the prompt is compressed and before decoding (a question not seen while
         compressing: decode steps, with eviction for a policy that evicts while decoding)."""
         session = self.prefill(ids)
-        logits = session.logits if not len(then) else self.extend(session, torch.tensor([list(then)]))[:, -1]
-        tokens: list[int] = []
-        for step in range(max_new_tokens):
-            token = int(logits[0].argmax())
-            tokens.append(token)
-            if token in eos_ids or (stop is not None and stop(tokens)) or step == max_new_tokens - 1:
-                break
-            logits = self.extend(session, torch.tensor([[token]], device=self.device))[:, -1]
+        try:
+            logits = session.logits if not len(then) else self.extend(session, torch.tensor([list(then)]))[:, -1]
+            tokens: list[int] = []
+            for step in range(max_new_tokens):
+                token = int(logits[0].argmax())
+                tokens.append(token)
+                if token in eos_ids or (stop is not None and stop(tokens)) or step == max_new_tokens - 1:
+                    break
+                logits = self.extend(session, torch.tensor([[token]], device=self.device))[:, -1]
+        finally:
+            if session.press_state is not None:
+                press_close(session.press_state)  # a decoding press compresses this session only
         return tokens, session
 
 

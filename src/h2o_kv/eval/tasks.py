@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..harness.data import data_path, sha256
+from ..harness.peers import DECODING_PRESSES
 from ..harness.setting import KVSetting
 from .options import check_options, option_int
 from .results import finish_result, item_log_path
@@ -124,6 +125,9 @@ class TasksJob:
     ) -> TasksJob:
         """Check the options, the task names and their data files (raises ``ValueError``/``FileNotFoundError``)."""
         check_protocol(setting, paper_protocol)
+        if setting.press in DECODING_PRESSES:
+            raise ValueError(f"--peer {setting.press} compresses while generating; the lm-eval tasks score given "
+                             "continuations: run it on ruler, needle or xsum")  # fmt: skip
         if isinstance(num_fewshot, bool) or not isinstance(num_fewshot, int) or num_fewshot < 0:
             raise ValueError(f"--num-fewshot must be an integer >= 0, got {num_fewshot!r}")
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):

@@ -27,6 +27,11 @@ Presses offered here (:data:`PRESSES`), with the paper each implements (kvpress'
   the norm of each value's output projection (Feng et al. 2025, arXiv:2502.03805).
 * ``kvzip`` - ``KVzipPress``: scores from the attention paid while the model is asked to repeat the context
   (query-agnostic; Kim et al. 2025, arXiv:2505.23416); about three prefills' work.
+* ``decoding_knorm`` / ``decoding_expected_attention`` - ``PrefillDecodingPress``: the scorer compresses the
+  prefill to the budget, then kvpress' ``DecodingPress`` brings the cache back to the same count after every later
+  forward (``compression_interval=1``, ``target_size`` the budget's entries): a press bounded while generating, as an
+  H2O cache is. Its hooks stay on for the whole session (:func:`press_prefill` to :func:`press_close`): generation
+  only (RULER, the needle, XSUM); the lm-eval tasks refuse it.
 
 The head-wise presses (AdaKV, CriticalAdaKV, KVzip) keep each layer's total but not the same count per head (KVzip:
 the model's total, shared over layers too): they mask the dropped entries (kvpress' attention patch on ``sdpa``)
@@ -67,6 +72,7 @@ class Press:
     across_layers: bool = False  # shares the budget over all layers (per-layer counts differ, their mean is kept)
     windowed: bool = False  # asserts the context is longer than its observation window
     rounds: bool = False  # keeps round(L * (1 - ratio)) entries, not int(...): given the exact ratio of the count
+    decoding: bool = False  # also compresses while decoding, back to the budget after every forward
 
     def build(self, kvpress, ratio: float, length: int | None = None):
         """The press at ``compression_ratio=ratio`` (the window halved to fit a context shorter than it)."""
@@ -75,6 +81,15 @@ class Press:
             ratio = 1.0 - int(length * (1.0 - ratio)) / length
         if self.windowed and length is not None and length <= SNAPKV_WINDOW:
             options["window_size"] = max(1, length // 2)
+        if self.decoding:
+            if length is None:
+                raise ValueError("a decoding press needs the context length: its budget is a count of entries")
+            keep = max(1, int(length * (1.0 - ratio)))
+            decoding = kvpress.DecodingPress(
+                base_press=getattr(kvpress, self.scorer)(), compression_interval=1, target_size=keep
+            )
+            prefill = getattr(kvpress, self.scorer)(compression_ratio=ratio)
+            return getattr(kvpress, self.cls)(prefilling_press=prefill, decoding_press=decoding)
         if self.scorer is None:
             return getattr(kvpress, self.cls)(compression_ratio=ratio, **options)
         scorer = getattr(kvpress, self.scorer)(compression_ratio=ratio, **dict(self.scorer_options))
@@ -97,7 +112,10 @@ PRESSES: dict[str, Press] = {
         "CriticalAdaKVPress", "ExpectedAttentionPress", _NO_VNORM, head_wise=True
     ),
     "kvzip": Press("KVzipPress", head_wise=True, across_layers=True),
+    "decoding_knorm": Press("PrefillDecodingPress", "KnormPress", decoding=True),
+    "decoding_expected_attention": Press("PrefillDecodingPress", "ExpectedAttentionPress", decoding=True),
 }
+DECODING_PRESSES = tuple(name for name, press in PRESSES.items() if press.decoding)
 # kvpress' attention patch stays on the attention functions it was written for, where it is a pass-through unless a
 # head-wise press set ``masked_key_indices``; every other function (h2o-kv's own) gets its original back
 PATCHED_ATTENTION = "sdpa"
@@ -214,6 +232,7 @@ class PressState:
     compression_ratio: float
     logits: Any = field(repr=False)  # [batch, vocab]: logits after the last context token
     masked: bool = False  # a head-wise press's mask must be applied by every later forward (kvpress' patched sdpa)
+    open_press: contextlib.ExitStack | None = field(default=None, repr=False)  # a decoding press, on until closed
 
 
 def press_prefill(model, input_ids, name: str, keep: int) -> PressState:
@@ -229,10 +248,22 @@ def press_prefill(model, input_ids, name: str, keep: int) -> PressState:
     length = input_ids.shape[1]
     ratio = compression_ratio(length, keep)
     cache = DynamicCache()
-    with torch.no_grad(), press_context(model, name, ratio, length):
-        out = model(input_ids, **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(press_context(model, name, ratio, length))
+        with torch.no_grad():
+            out = model(input_ids, **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
+        open_press = stack.pop_all() if PRESSES[name].decoding else None  # kept on for the decode steps
     kept = kept_entries(model, cache)
-    return PressState(cache, length, kept, length, ratio, out.logits[:, -1], masked=PRESSES[name].head_wise)
+    return PressState(
+        cache, length, kept, length, ratio, out.logits[:, -1], masked=PRESSES[name].head_wise, open_press=open_press
+    )
+
+
+def press_close(state: PressState) -> None:
+    """End a decoding press's session: its hooks off, the model's attention restored (nothing for other presses)."""
+    if state.open_press is not None:
+        state.open_press.close()
+        state.open_press = None
 
 
 def press_extend(model, state: PressState, input_ids):

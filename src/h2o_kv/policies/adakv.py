@@ -33,9 +33,10 @@ class HeadAdaptive:
     (``alpha=0`` is the pure rule). The counts per head stay fixed afterwards: a policy that evicts during decode
     frees one entry per head and step. Scores must be comparable across heads (attention mass and pooled mass are).
 
-    Memory: the layer holds exactly ``heads * capacity`` valid entries per sequence (the uniform total); its slot
-    buffer is padded to the largest head's count (+1 when evicting), at most
-    ``heads * capacity - (heads - 1) * ceil(alpha * capacity)`` (+1), with the unused slots masked.
+    Memory: the layer holds exactly ``heads * capacity`` valid entries per sequence (the uniform total); the
+    transformers backend stores each head's entries packed (:mod:`h2o_kv.hf.packed`: its count, +1 free slot when
+    evicting), the slot metadata padded to the largest head's count, at most
+    ``heads * capacity - (heads - 1) * ceil(alpha * capacity)`` (+1).
     """
 
     alpha: float = 0.2

@@ -32,9 +32,9 @@ class AcrossLayers(HeadAdaptive):
     every head's protected window is paid for in every layer: a smaller share leaves more of the model's budget to
     the best-ranked entries (chosen on the tuning split at 10%, docs/quality.md). The capacity is unchanged.
 
-    Memory: the model holds exactly ``layers * heads * capacity`` valid entries per sequence (the uniform total); a
-    layer's slot buffer is padded to its largest head's count, at most the prompt length, and while a prompt is
-    scored every layer holds all its entries (as a full cache would).
+    Memory: the model holds exactly ``layers * heads * capacity`` valid entries per sequence (the uniform total),
+    stored packed per head in the transformers backend (:mod:`h2o_kv.hf.packed`: the bytes of the entries kept plus
+    one free slot per head); while a prompt is scored every layer holds all its entries (as a full cache would).
     """
 
     alpha: float = 0.0
