@@ -1,7 +1,7 @@
 """KV entries kept and KV memory allocated after compressing RULER prompts (docs/quality.md), per h2o-kv setting.
 
     python scripts/quality_memory.py global_window_h2o+recmax h2o ada_window_h2o+recmax \\
-        --json results/quality/memory.json
+        --budget 0.2 --json results/quality/memory_0.2.json
 
 For the first item of each evaluation-split task (seed 0, 1k tokens, question after): the valid entries over all
 layers and KV heads, the key/value bytes allocated (``H2OCache.stats()``: head-adaptive and across-layers policies
