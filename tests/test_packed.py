@@ -114,3 +114,24 @@ def test_packed_reconstruction_prefill_and_multi_turn(llama):
         outs[packed] = (torch.stack(logits), kept_sets(cache), cache.stats()["kv_bytes"])
     assert torch.equal(outs[True][0], outs[False][0]) and outs[True][1] == outs[False][1]
     assert outs[True][2] < outs[False][2]
+
+
+def test_packed_batch_copies_and_reorders_equal_padded(llama):
+    """``batch_repeat_interleave`` (one row per answer choice) and ``batch_select_indices`` (beam search) on packed
+    segments give the padded layout's logits."""
+    ids, later = random_prompt(40, seed=3), random_prompt(5, seed=4).expand(3, -1)
+    outs = {}
+    for packed in (True, False):
+        cache = H2OCache(heavy=5, recent=5, policy="global_window_h2o", packed=packed)
+        with torch.no_grad():
+            llama(ids, **cache_kwargs(cache), use_cache=True)
+            cache.select_across_layers()
+            cache.stepwise = True
+            llama(ids[:, :1], **cache_kwargs(cache), use_cache=True)
+            cache.batch_repeat_interleave(3)
+            copies = llama(later, **cache_kwargs(cache), use_cache=True).logits
+            cache.batch_select_indices(torch.tensor([2, 0]))
+            reordered = llama(later[:2, :1], **cache_kwargs(cache), use_cache=True).logits
+        assert isinstance(cache.layers[0].keys, PackedSlots) == packed
+        outs[packed] = (copies, reordered)
+    assert torch.equal(outs[True][0], outs[False][0]) and torch.equal(outs[True][1], outs[False][1])
