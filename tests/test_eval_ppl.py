@@ -224,3 +224,19 @@ def test_cli_writes_result_json(tmp_path, default_model):
     job = PPLJob.create(book, 48, KVSetting.of("sink", budget=0.5), gutenberg=True)
     expected = streaming_nll(model, job.token_ids(tokenizer), job.make_cache())
     assert record["nll"] == pytest.approx(float(expected.mean()), abs=1e-5)
+
+
+@pytest.mark.slow
+@needs_data(*BOOKS, "wikitext2/wiki.test.raw.crlf_noblank.txt")
+def test_streaming_tuning_stream_is_disjoint_from_the_evaluation_stream(tmp_path, default_model):
+    from h2o_kv.eval.streaming_plot import build_stream
+
+    tokenizer = default_model[1]
+    evaluation, meta = build_stream(tokenizer, 300, tmp_path)
+    tuning, tuning_meta = build_stream(tokenizer, 300, tmp_path, skip_tokens=300)
+    assert evaluation != tuning and [s["skip"] for s in tuning_meta["sources"]] == [300, 300, 300]
+    assert len(meta["boundaries"]) == len(tuning_meta["boundaries"]) == 2
+    assert tuning.read_text()[:120] not in evaluation.read_text()
+    assert evaluation.read_text()[:120] not in tuning.read_text()
+    with pytest.raises(ValueError, match="--skip-tokens \\+ --part-tokens"):
+        build_stream(tokenizer, 300, tmp_path, skip_tokens=10**7)

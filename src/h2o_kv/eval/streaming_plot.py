@@ -35,10 +35,11 @@ OUT = Path("results/streaming")
 app = typer.Typer(help="Windowed perplexity and KV memory over a stream longer than the context.", add_completion=False)
 
 
-def build_stream(tokenizer, part_tokens: int, cache_dir: Path) -> tuple[Path, dict[str, Any]]:
+def build_stream(tokenizer, part_tokens: int, cache_dir: Path, skip_tokens: int = 0) -> tuple[Path, dict[str, Any]]:
     """Write the joined stream text to ``cache_dir`` (outside the repository) and describe it.
 
-    Each source contributes its first ``part_tokens`` tokens (decoded back to text), joined by a blank line.
+    Each source contributes ``part_tokens`` tokens after its first ``skip_tokens`` (decoded back to text), joined by
+    a blank line: ``skip_tokens >= part_tokens`` gives a tuning stream disjoint from the evaluation stream (0).
     Returns the path and ``{"sources": [...], "boundaries": [token offsets where a new source starts]}``.
     """
     parts, sources = [], []
@@ -48,17 +49,19 @@ def build_stream(tokenizer, part_tokens: int, cache_dir: Path) -> tuple[Path, di
         if relative in BOOKS:
             text = strip_gutenberg(text)
         ids = tokenizer(text, add_special_tokens=False, verbose=False).input_ids
-        if len(ids) < part_tokens:
-            raise ValueError(f"{relative} has only {len(ids)} tokens; --part-tokens must be <= that")
-        parts.append(tokenizer.decode(ids[:part_tokens]).strip())
-        sources.append({"path": str(path), "name": relative, "sha256": sha256(path), "tokens": part_tokens})
+        if len(ids) < skip_tokens + part_tokens:
+            raise ValueError(f"{relative} has only {len(ids)} tokens; --skip-tokens + --part-tokens must be <= that")
+        parts.append(tokenizer.decode(ids[skip_tokens : skip_tokens + part_tokens]).strip())
+        sources.append(
+            {"path": str(path), "name": relative, "sha256": sha256(path), "skip": skip_tokens, "tokens": part_tokens}
+        )
     joined = "\n\n".join(parts) + "\n"
     boundaries, prefix = [], ""
     for part in parts[:-1]:
         prefix += part + "\n\n"
         boundaries.append(len(tokenizer(prefix, add_special_tokens=False, verbose=False).input_ids))
     cache_dir.mkdir(parents=True, exist_ok=True)
-    target = cache_dir / f"pg19x2+wikitext2_{part_tokens}.txt"
+    target = cache_dir / f"pg19x2+wikitext2_{part_tokens}{f'_skip{skip_tokens}' if skip_tokens else ''}.txt"
     target.write_text(joined, encoding="utf-8")
     return target, {"sources": sources, "boundaries": boundaries, "sha256": sha256(target)}
 
@@ -115,6 +118,9 @@ def run_one(model, tokenizer, text: Path, label, policy, size, streaming, tokens
 def run(
     tokens: int = typer.Option(24000, help="Tokens of the stream to evaluate (>= 2)."),
     part_tokens: int = typer.Option(8000, help="Tokens taken from each of the three sources."),
+    skip_tokens: int = typer.Option(
+        0, help="Tokens skipped at the start of each source (>= --part-tokens: a tuning stream, disjoint from 0's)."
+    ),
     sizes: str = typer.Option("256,1024", help="Cache sizes (heavy + recent entries), comma-separated."),
     policies: str = typer.Option("h2o,sink", help="Streaming policies to compare, comma-separated."),
     full: bool = typer.Option(True, "--full/--no-full", help="Also run the full cache up to the model context."),
@@ -138,8 +144,8 @@ def run(
         for policy in policy_list:
             if not KVSetting.of(policy, heavy=1, recent=1, option="--policies").bounded:
                 raise ValueError("--policies are streaming (bounded) policies; the full cache is --full")
-        if tokens < 2 or part_tokens < 1 or window < 1 or chunk < 1:
-            raise ValueError("--tokens must be >= 2 and --part-tokens, --window, --chunk >= 1")
+        if tokens < 2 or part_tokens < 1 or window < 1 or chunk < 1 or skip_tokens < 0:
+            raise ValueError("--tokens must be >= 2, --part-tokens, --window, --chunk >= 1 and --skip-tokens >= 0")
         if tokens > 3 * part_tokens:
             raise ValueError(f"--tokens {tokens} is more than the stream (3 x --part-tokens = {3 * part_tokens})")
     except ValueError as err:
@@ -151,7 +157,7 @@ def run(
 
     logging.disable_progress_bar()
     loaded, tokenizer = load_model(model)
-    text, meta = build_stream(tokenizer, part_tokens, cache_dir.expanduser())
+    text, meta = build_stream(tokenizer, part_tokens, cache_dir.expanduser(), skip_tokens)
     context = model_context_length(loaded)
     wanted = None if only is None else {label.strip() for label in only.split(",")}
     for label, policy, size, streaming, n in configurations(size_list, policy_list, full, plain, context, tokens):
