@@ -240,3 +240,15 @@ def test_streaming_tuning_stream_is_disjoint_from_the_evaluation_stream(tmp_path
     assert evaluation.read_text()[:120] not in tuning.read_text()
     with pytest.raises(ValueError, match="--skip-tokens \\+ --part-tokens"):
         build_stream(tokenizer, 300, tmp_path, skip_tokens=10**7)
+
+
+def test_streaming_recent_share_labels_and_bad_input():
+    from h2o_kv.eval.streaming_plot import app as streaming_app
+    from h2o_kv.eval.streaming_plot import configurations
+
+    even = configurations([256], ["a2sf"], False, False, 8192, 9000)
+    assert even == [("a2sf-256-streaming", "a2sf", 256, True, 9000)]
+    assert configurations([256], ["a2sf"], False, False, 8192, 9000, 0.9)[0][0] == "a2sf-256-recent0.9-streaming"
+    result = CliRunner().invoke(streaming_app, ["run", "--recent-share", "1"])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert "--recent-share must be in (0, 1), got 1.0" in result.output

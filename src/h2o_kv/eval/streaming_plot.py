@@ -66,29 +66,37 @@ def build_stream(tokenizer, part_tokens: int, cache_dir: Path, skip_tokens: int 
     return target, {"sources": sources, "boundaries": boundaries, "sha256": sha256(target)}
 
 
-def configurations(sizes: list[int], policies: list[str], full: bool, plain: bool, context: int, tokens: int):
+def configurations(
+    sizes: list[int], policies: list[str], full: bool, plain: bool, context: int, tokens: int, recent_share: float = 0.5
+):
     """``(label, policy, size or None, streaming, tokens)`` for every run, most informative first."""
     runs = []
+    share = "" if recent_share == 0.5 else f"-recent{recent_share:g}"
     for size in sizes:
         for policy in policies:
-            runs.append((f"{policy}-{size}-streaming", policy, size, True, tokens))
+            runs.append((f"{policy}-{size}{share}-streaming", policy, size, True, tokens))
     if full:
         runs.append(("full", "full", None, False, min(tokens, context)))
     if plain:
         for policy in policies:
-            runs.append((f"{policy}-{min(sizes)}-plain", policy, min(sizes), False, tokens))
+            runs.append((f"{policy}-{min(sizes)}{share}-plain", policy, min(sizes), False, tokens))
     return runs
 
 
-def run_one(model, tokenizer, text: Path, label, policy, size, streaming, tokens, window, chunk, meta, out: Path):
-    """One perplexity run with a KV-memory trace; writes ``out/<label>.json`` and returns the record."""
+def run_one(
+    model, tokenizer, text: Path, label, policy, size, streaming, tokens, window, chunk, meta, out: Path, share=0.5
+):
+    """One perplexity run with a KV-memory trace; writes ``out/<label>.json`` and returns the record.
+
+    ``share`` of each cache size is the recent window (``round(share * size)``, at least 1), the rest heavy hitters.
+    """
     from rich.progress import Progress
 
     from ..harness.setting import KVSetting
     from .ppl import PPLJob, run_ppl
 
-    half = None if size is None else size // 2
-    setting = KVSetting.of(policy, heavy=half, recent=None if size is None else size - half)
+    recent = None if size is None else max(1, min(size - 1, round(share * size)))
+    setting = KVSetting.of(policy, heavy=None if size is None else size - recent, recent=recent)
     job = PPLJob.create(text, tokens, setting, streaming=streaming, window=window, chunk=chunk)
     made: dict[str, Any] = {}
     make_cache = job.make_cache
@@ -110,7 +118,8 @@ def run_one(model, tokenizer, text: Path, label, policy, size, streaming, tokens
 
         return run_ppl(
             job, model, tokenizer, out / f"{label}.json", progress=progress,
-            extra={"run": label, "streaming": streaming, "size": size, "memory": trace, "stream": meta},
+            extra={"run": label, "streaming": streaming, "size": size, "recent_share": share, "memory": trace,
+                   "stream": meta},
         )  # fmt: skip
 
 
@@ -123,6 +132,7 @@ def run(
     ),
     sizes: str = typer.Option("256,1024", help="Cache sizes (heavy + recent entries), comma-separated."),
     policies: str = typer.Option("h2o,sink", help="Streaming policies to compare, comma-separated."),
+    recent_share: float = typer.Option(0.5, help="Share of each size that is the recent window (0 < x < 1)."),
     full: bool = typer.Option(True, "--full/--no-full", help="Also run the full cache up to the model context."),
     plain: bool = typer.Option(False, "--plain", help="Also run the policies without streaming (smallest size)."),
     window: int = typer.Option(1000, help="Tokens per perplexity window."),
@@ -146,6 +156,8 @@ def run(
                 raise ValueError("--policies are streaming (bounded) policies; the full cache is --full")
         if tokens < 2 or part_tokens < 1 or window < 1 or chunk < 1 or skip_tokens < 0:
             raise ValueError("--tokens must be >= 2, --part-tokens, --window, --chunk >= 1 and --skip-tokens >= 0")
+        if not 0 < recent_share < 1:
+            raise ValueError(f"--recent-share must be in (0, 1), got {recent_share}")
         if tokens > 3 * part_tokens:
             raise ValueError(f"--tokens {tokens} is more than the stream (3 x --part-tokens = {3 * part_tokens})")
     except ValueError as err:
@@ -160,14 +172,18 @@ def run(
     text, meta = build_stream(tokenizer, part_tokens, cache_dir.expanduser(), skip_tokens)
     context = model_context_length(loaded)
     wanted = None if only is None else {label.strip() for label in only.split(",")}
-    for label, policy, size, streaming, n in configurations(size_list, policy_list, full, plain, context, tokens):
+    for label, policy, size, streaming, n in configurations(
+        size_list, policy_list, full, plain, context, tokens, recent_share
+    ):
         if wanted is not None and label not in wanted:
             continue
         target = out / f"{label}.json"
         if target.exists() and not redo:
             typer.echo(f"{label}: done ({target})")
             continue
-        record = run_one(loaded, tokenizer, text, label, policy, size, streaming, n, window, chunk, meta, out)
+        record = run_one(
+            loaded, tokenizer, text, label, policy, size, streaming, n, window, chunk, meta, out, recent_share
+        )
         typer.echo(f"{label}: ppl {record['ppl']:.3f} over {n} tokens, {record['tokens_per_s']:.1f} tokens/s")
 
 
