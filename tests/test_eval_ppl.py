@@ -252,3 +252,21 @@ def test_streaming_recent_share_labels_and_bad_input():
     result = CliRunner().invoke(streaming_app, ["run", "--recent-share", "1"])
     assert result.exit_code == 2 and "Traceback" not in result.output
     assert "--recent-share must be in (0, 1), got 1.0" in result.output
+
+
+def test_streaming_versus_table_pairs_blocks_within_each_source():
+    from h2o_kv.eval.streaming_plot import versus_table
+
+    stream = {"sources": [{"name": "pg19/a_x.txt"}, {"name": "wiki/b_y.txt"}], "boundaries": [128]}
+
+    def record(policy, nll):
+        return {"policy": policy, "size": 256, "streaming": True, "tokens": 256, "run": f"{policy}-256-streaming",
+                "stream": stream, "block_nll": {"size": 64, "mean": nll}}  # fmt: skip
+
+    sink = record("sink", [2.0, 2.2, 3.0, 3.1])
+    a2sf = record("a2sf", [1.9, 2.1, 3.0, 3.1])  # 0.1 nats better on the first source only
+    lines = versus_table([sink, a2sf], "sink").splitlines()
+    assert lines[0] == "| run (vs sink, same size) | a | b |" and len(lines) == 3
+    first, second = lines[2].split(" | ")[1:3]
+    assert first.startswith(f"{100 * (math.exp(-0.1) - 1):+.2f}%") and second.startswith("+0.00% [+0.00, +0.00]")
+    assert versus_table([sink], "sink") == ""

@@ -268,11 +268,47 @@ def summary_table(records: list[dict[str, Any]]) -> str:
     return "\n".join(rows)
 
 
+def versus_table(records: list[dict[str, Any]], versus: str) -> str:
+    """Markdown: each streaming run's perplexity change against ``versus`` at the same size, over each source.
+
+    Paired over the same 64-token blocks of the stream (``block_nll``, :func:`h2o_kv.harness.tables.paired`,
+    percentile bootstrap): ``exp(mean block NLL difference) - 1`` in %, with its 95% interval; negative is better.
+    """
+    from ..harness.tables import paired
+
+    meta = records[0]["stream"]
+    names = [Path(source["name"]).stem.split("_")[0] for source in meta["sources"]]
+    rows = [f"| run (vs {versus}, same size) | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+    for r in sorted(records, key=lambda r: (r["size"] or 0, r["run"])):
+        base = next(
+            (
+                b
+                for b in records
+                if b["policy"] == versus
+                and (b["size"], b["streaming"], b["tokens"]) == (r["size"], r["streaming"], r["tokens"])
+            ),
+            None,
+        )
+        if base is None or base is r or not r["streaming"]:
+            continue
+        size, mine, theirs = r["block_nll"]["size"], r["block_nll"]["mean"], base["block_nll"]["mean"]
+        edges = [0, *meta["boundaries"], r["tokens"]]
+        cells = []
+        for a, b in zip(edges, edges[1:], strict=False):
+            inside = [i for i in range(len(mine)) if a <= i * size < b]
+            diff = paired([mine[i] for i in inside], [theirs[i] for i in inside])
+            value, low, high = (100 * (math.exp(x) - 1) for x in (diff.value, *diff.interval()))
+            cells.append(f"{value:+.2f}% [{low:+.2f}, {high:+.2f}]")
+        rows.append(f"| {r['run']} | " + " | ".join(cells) + " |")
+    return "\n".join(rows) if len(rows) > 2 else ""
+
+
 @app.command()
 def plot(
     folder: Path = typer.Option(OUT, help="Folder with the result JSONs of `run`."),
     png: Path = typer.Option(OUT / "streaming_ppl.png", help="Output figure."),
     context: int = typer.Option(8192, help="The model's context length (a marker on the plot)."),
+    versus: str = typer.Option("sink", help="The policy every streaming run is compared with, at the same size."),
 ):
     """Plot windowed perplexity and KV memory vs position, and print a markdown table."""
     records = load_results(folder)
@@ -281,6 +317,10 @@ def plot(
         raise typer.Exit(2)
     plot_results(records, png, context)
     table = summary_table(records)
+    changes = versus_table(records, versus)
+    table += (
+        f"\n\nPerplexity change against {versus}, paired over 64-token blocks [95%]:\n\n{changes}" if changes else ""
+    )
     (folder / "summary.md").write_text(table + "\n")
     typer.echo(table)
     typer.echo(f"wrote {png} and {folder / 'summary.md'} ({time.strftime('%Y-%m-%d %H:%M')})")
