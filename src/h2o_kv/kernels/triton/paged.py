@@ -65,10 +65,10 @@ def _paged_step(
     new_v = tl.load(v_ptr + token * v_stride + h * dim + d, mask=d_ok, other=0.0)
     new_k = new_k.to(key_cache_ptr.dtype.element_ty)
     new_v = new_v.to(value_cache_ptr.dtype.element_ty)
-    block = tl.load(table_ptr + r * width + free // block_size).to(tl.int64)
+    free_block = tl.load(table_ptr + r * width + free // block_size).to(tl.int64)
     offset = free % block_size
-    tl.store(key_cache_ptr + block * kc_block + offset * kc_token + h * kc_head + d, new_k, mask=d_ok)
-    tl.store(value_cache_ptr + block * vc_block + offset * vc_token + h * vc_head + d, new_v, mask=d_ok)
+    tl.store(key_cache_ptr + free_block * kc_block + offset * kc_token + h * kc_head + d, new_k, mask=d_ok)
+    tl.store(value_cache_ptr + free_block * vc_block + offset * vc_token + h * vc_head + d, new_v, mask=d_ok)
     tl.store(pos_ptr + state + free, column)
     if not FUSED:
         tl.store(score_ptr + state + free, 0.0)
@@ -83,14 +83,16 @@ def _paged_step(
     acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
     for start in range(0, slots, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
-        logits, block = _logits(query, key_cache_ptr, table_ptr, pos_ptr, valid_ptr, r, h, n, d, d_ok, g_ok, slots,
-                                free, column, new_k, state, width, block_size, kc_block, kc_token, kc_head)  # fmt: skip
+        # (a name of its own: a loop may not rebind the scalar `free_block` as a vector, compiled Triton refuses it)
+        logits, blocks = _logits(query, key_cache_ptr, table_ptr, pos_ptr, valid_ptr, r, h, n, d, d_ok, g_ok,
+                                 slots, free, column, new_k, state, width, block_size, kc_block, kc_token,
+                                 kc_head)  # fmt: skip
         peak = tl.maximum(m, tl.max(logits, 1))
         shift = tl.where(peak == float("-inf"), 0.0, peak)
         p = tl.exp(logits - shift[:, None])
         alpha = tl.exp(m - shift)
         inside = n < slots
-        at = (block * vc_block + (n % block_size) * vc_token + h * vc_head)[:, None] + d[None, :]
+        at = (blocks * vc_block + (n % block_size) * vc_token + h * vc_head)[:, None] + d[None, :]
         values = tl.load(value_cache_ptr + at, mask=inside[:, None] & d_ok[None, :], other=0.0)
         values = tl.where((n == free)[:, None], new_v[None, :], values.to(tl.float32))
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * values[None, :, :], 1)
