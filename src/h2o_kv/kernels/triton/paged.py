@@ -83,7 +83,7 @@ def _paged_step(
     acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
     for start in range(0, slots, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
-        # (a name of its own: a loop may not rebind the scalar `free_block` as a vector, compiled Triton refuses it)
+        # `blocks`: each slot's physical block, a vector; compiled Triton refuses a loop that rebinds a scalar
         logits, blocks = _logits(query, key_cache_ptr, table_ptr, pos_ptr, valid_ptr, r, h, n, d, d_ok, g_ok,
                                  slots, free, column, new_k, state, width, block_size, kc_block, kc_token,
                                  kc_head)  # fmt: skip
