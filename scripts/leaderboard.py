@@ -19,7 +19,8 @@ with the 95% interval; an empty cell was not run. Benchmarks and their records:
   ``results/quality/eval/tasks_*``): mean accuracy (x100), the change averaged over tasks.
 
 Rows are ``setting @ budget``, every budget found (``--budgets 0.1,0.2`` selects). A RULER column's header ends with
-its items per setting; a cell whose record (or its baseline's) names no commit or a dirty tree is marked ``†``.
+its items per setting; a cell whose record (or its baseline's) names no commit, or a dirty tree whose sources no commit
+holds, is marked ``†``.
 
 Reads only the JSON records (each holds its command, commit and versions); prints markdown, draws the plot.
 """
@@ -28,7 +29,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 from collections.abc import Callable
+from functools import lru_cache
 from pathlib import Path
 
 from h2o_kv.eval.report import row_name
@@ -85,8 +88,26 @@ BENCHMARKS: dict[str, tuple[tuple[str, ...], Callable]] = {
 
 
 def trusted(record: dict) -> bool:
-    """Whether the record names the commit that ran it from a clean tree (else it is marked in the table)."""
-    return bool(record.get("git")) and record["git"].get("commit") is not None and record["git"].get("dirty") is False
+    """Whether the record names the commit that ran it from a clean tree, or sources (``src_tree``) that a commit of
+    this history holds (a copied tree with an older ``.git``, as on the GPU machine); else it is marked."""
+    git = record.get("git") or {}
+    if git.get("commit") is None:
+        return False
+    return git.get("dirty") is False or git.get("src_tree") in committed_src_trees()
+
+
+@lru_cache(maxsize=1)
+def committed_src_trees() -> frozenset[str]:
+    """The tree ids of ``src/`` at every commit reachable from HEAD."""
+    git = ["git", "-C", str(Path(__file__).resolve().parents[1])]
+    commits = subprocess.run([*git, "rev-list", "HEAD"], capture_output=True, text=True).stdout.split()
+    trees = subprocess.run(
+        [*git, "cat-file", "--batch-check=%(objectname)"],
+        input="".join(f"{commit}:src\n" for commit in commits),
+        capture_output=True,
+        text=True,
+    ).stdout.split()
+    return frozenset(tree for tree in trees if len(tree) == 40)
 
 
 Cell = tuple[Estimate, Estimate | None, bool]  # score, paired change vs the full cache, trusted record(s)

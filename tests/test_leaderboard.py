@@ -100,3 +100,19 @@ def test_compare_answers_counts_equal_answers_item_by_item(tmp_path):
     differ = subprocess.run([sys.executable, script, str(tmp_path / "x.json"), str(tmp_path / "y.json")],
                             capture_output=True, text=True)  # fmt: skip
     assert differ.returncode == 1 and differ.stdout.startswith("1/2 answers equal") and "'2' | '3'" in differ.stdout
+
+
+def test_a_dirty_record_is_trusted_when_a_commit_holds_its_sources():
+    import subprocess
+
+    board = load_leaderboard()
+    first = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-list", "--max-parents=0", "HEAD"], capture_output=True, text=True
+    )
+    tree = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", f"{first.stdout.split()[0]}:src"], capture_output=True, text=True
+    ).stdout.strip()
+    copied = {"git": {"commit": "abc", "dirty": True, "src_tree": tree}}  # an older .git beside committed sources
+    assert board.trusted(copied)
+    assert not board.trusted({"git": {"commit": "abc", "dirty": True, "src_tree": "0" * 40}})
+    assert not board.trusted({"git": {"commit": None, "dirty": False}})

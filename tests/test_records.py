@@ -184,3 +184,22 @@ def test_intervals_are_bootstrap_within_the_items_range():
         over_groups([[1.0], []])
     # an estimate known only by its standard error (e.g. lm-eval's acc_stderr) keeps the normal interval
     assert Estimate(0.5, 0.1).interval() == pytest.approx((0.304, 0.696))
+
+
+def test_src_tree_names_the_sources_as_they_ran(tmp_path):
+    def git(*args):
+        return subprocess.run(["git", "-C", str(tmp_path), *args], capture_output=True, text=True, check=True).stdout
+
+    git("init", "-q")
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.py").write_text("x = 1\n")
+    git("add", "src")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    assert records.src_tree(tmp_path) == git("rev-parse", "HEAD:src").strip()
+    (tmp_path / "src" / "b.py").write_text("y = 2\n")  # untracked: part of what runs
+    changed = records.src_tree(tmp_path)
+    assert changed != git("rev-parse", "HEAD:src").strip()
+    git("add", "src")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "two")
+    assert changed == git("rev-parse", "HEAD:src").strip()
+    assert git("status", "--porcelain") == ""  # the scratch object store left the checkout untouched

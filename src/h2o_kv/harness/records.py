@@ -6,13 +6,14 @@ A record is a JSON object::
      ...the kind's own fields (the KV setting: "policy", "budget", "heavy", "recent", "bounded", "peer"),
      "metrics": {...},                      # where the kind has metrics
      "command": "h2o-kv eval ppl ...",      # the command as typed (H2O_KV_* variables that were set prefixed)
-     "git": {"commit": "<sha>", "dirty": false} | null,   # the h2o-kv checkout that ran; null: not a checkout
+     "git": {"commit": "<sha>", "dirty": false, "src_tree": "<sha>"} | null,  # the checkout that ran; null: none
      "fused_cpu_kernels": true | false | null,            # null: no H2OCache ran on the CPU
      "versions": {"python", "h2o-kv", "torch", "transformers", and "lm-eval"/"kvpress"/"vllm"/"rouge-score" if used},
      "machine": {"platform", "processor", "cpu_count", "cuda_device"?},
      "created": "2026-...T...+0000"}
 
-``dirty`` is true when ``src/`` of the checkout differs from the commit (modified, staged or untracked files). A
+``dirty`` is true when ``src/`` of the checkout differs from the commit (modified, staged or untracked files);
+``src_tree`` is the git tree id of ``src/`` as it ran (:func:`src_tree`). A
 bench file, measured over several invocations, holds ``"runs"`` (one provenance object per invocation) and
 ``"records"`` (each with ``"run"``: the index of the invocation that measured it).
 """
@@ -26,6 +27,7 @@ import platform
 import shlex
 import subprocess
 import sys
+import tempfile
 from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
@@ -68,7 +70,42 @@ def git_state() -> dict[str, Any] | None:
     if top is None or Path(top).resolve() != root:
         return None
     status = git("status", "--porcelain", "--", "src")
-    return {"commit": git("rev-parse", "HEAD"), "dirty": None if status is None else bool(status)}
+    return {
+        "commit": git("rev-parse", "HEAD"),
+        "dirty": None if status is None else bool(status),
+        "src_tree": src_tree(root),
+    }
+
+
+def src_tree(root: Path) -> str | None:
+    """The git tree id of ``src/`` as it is on disk (untracked, not ignored files included), written to a scratch
+    object store: equal to ``git rev-parse C:src`` for every commit ``C`` whose sources ran. It proves the code of a
+    run whose checkout's ``.git`` is older than its files (a copied working tree, e.g. on a remote GPU machine)."""
+    common = subprocess.run(
+        ["git", "-C", str(root), "rev-parse", "--path-format=absolute", "--git-common-dir"],
+        capture_output=True,
+        text=True,
+    )
+    if common.returncode != 0:
+        return None
+    with tempfile.TemporaryDirectory() as scratch:
+        os.mkdir(os.path.join(scratch, "objects"))
+        env = {
+            **os.environ,
+            "GIT_INDEX_FILE": os.path.join(scratch, "index"),
+            "GIT_OBJECT_DIRECTORY": os.path.join(scratch, "objects"),
+            "GIT_ALTERNATE_OBJECT_DIRECTORIES": os.path.join(common.stdout.strip(), "objects"),
+        }
+        for args in (["add", "-A", "--", "src"], ["write-tree", "--prefix=src/"]):
+            try:
+                out = subprocess.run(
+                    ["git", "-C", str(root), *args], capture_output=True, text=True, env=env, timeout=60
+                )
+            except (OSError, subprocess.TimeoutExpired):
+                return None
+            if out.returncode != 0:
+                return None
+    return out.stdout.strip() or None
 
 
 def versions(packages: tuple[str, ...] = ()) -> dict[str, str]:
