@@ -8,6 +8,7 @@
 # --reconstruct sum / max),
 # PEERS (kvpress presses, run after the policies; they need the peer environment of docs/eval-tasks.md:
 # H2O_KV=.venv-peer/bin/h2o-kv POLICIES= PEERS="snapkv kvzip" scripts/quality_ruler.sh eval).
+# DEVICE / DTYPE (passed as --device / --dtype: DEVICE=cuda DTYPE=float32 on a GPU, as scripts/gpu_quality.sh does).
 # SERVER (a running `h2o-kv serve` URL: the items go through its OpenAI API, each setting as the request's
 # vllm_xargs; question_in_prompt only: SERVER=http://127.0.0.1:8311 PROTOCOL=question_in_prompt ... eval).
 # The defaults are what a shared 2-core machine finished in one session; a run with more N or LENGTHS reuses the
@@ -46,5 +47,6 @@ for cell in "${cells[@]}"; do
   echo "=== $(date -u +%T) $cell -> $json"
   # shellcheck disable=SC2086
   "$h2o_kv" eval ruler $cell "${budget[@]}" --lengths "$lengths" --tasks "$tasks" --n "$n" \
-    --seed "$seed" --protocol "$protocol" --json "$json" ${SERVER:+--server "$SERVER"}
+    --seed "$seed" --protocol "$protocol" --json "$json" ${SERVER:+--server "$SERVER"} \
+    ${DEVICE:+--device "$DEVICE"} ${DTYPE:+--dtype "$DTYPE"}
 done
