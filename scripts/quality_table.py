@@ -2,18 +2,22 @@
 
     python scripts/quality_table.py results/quality/ruler-eval [--baseline dynamic] [--budget 0.2]
     python scripts/quality_table.py results/quality/ruler-dev-split results/quality/ruler-dev/dynamic.json
+    python scripts/quality_table.py results/quality/h200/2048/question_in_prompt/ruler-eval --partial \
+        --tasks niah_single,niah_multikey --baseline kvpress:kvzip   # unfinished cells, on their finished tasks
 
 Paths are folders (their ``*.json``) or record files.
 
 Rows: one KV setting; columns: each task's mean score (items scored by string_match_all), the suite mean (mean over
 tasks) with its 95% interval, and the paired difference with the baseline over the same items (mean over tasks of
-the item-by-item differences, 95% interval). Reads only the JSON records; prints markdown.
+the item-by-item differences over the items both ran, 95% interval). Reads only the JSON records (with
+``--partial`` also the item logs of unfinished cells, ``*.items.jsonl``: rows marked "partial"); prints markdown.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from h2o_kv.eval.report import row_name
@@ -25,10 +29,20 @@ def main() -> None:
     parser.add_argument("paths", type=Path, nargs="+")
     parser.add_argument("--baseline", default="dynamic")
     parser.add_argument("--budget", type=float, default=None, help="only the bounded settings at this budget")
+    parser.add_argument("--partial", action="store_true", help="also the item logs of unfinished cells")
+    parser.add_argument("--tasks", default=None, help="only these tasks (comma-separated)")
     args = parser.parse_args()
     files = [file for path in args.paths for file in (sorted(path.glob("*.json")) if path.is_dir() else [path])]
     records = [json.loads(p.read_text()) for p in files]
     records = [r for r in records if r.get("kind") == "ruler"]
+    if args.partial:
+        logs = [log for path in args.paths if path.is_dir() for log in sorted(path.glob("*.items.jsonl"))]
+        records += [
+            unfinished(log) for log in logs if not log.with_name(log.name[: -len(".items.jsonl")] + ".json").exists()
+        ]
+    if args.tasks:
+        chosen = args.tasks.split(",")
+        records = [dict(r, tasks=chosen, items=[i for i in r["items"] if i["task"] in chosen]) for r in records]
     records = [r for r in records if args.budget is None or not r["bounded"] or r["budget"] == args.budget]
     if not records:
         raise SystemExit(f"Error: no ruler records in {' '.join(map(str, args.paths))}")
@@ -38,21 +52,33 @@ def main() -> None:
     rows = []
     for r in sorted(records, key=lambda r: (r["bounded"], row_name(r))):
         by_task = {t: [i for i in r["items"] if i["task"] == t] for t in tasks}
+        if not all(by_task.values()):
+            print(f"skipped {row_name(r)}: no items of {[t for t in tasks if not by_task[t]]}", file=sys.stderr)
+            continue
         suite = over_groups([[i["score"] for i in by_task[t]] for t in tasks])
         delta = ""
         if base is not None and r is not base:
             base_score = {(i["task"], i["length"], i["index"]): i["score"] for i in base["items"]}
             key = lambda i: (i["task"], i["length"], i["index"])  # noqa: E731
-            diffs = [[i["score"] - base_score[key(i)] for i in by_task[t]] for t in tasks]
+            diffs = [[i["score"] - base_score[key(i)] for i in by_task[t] if key(i) in base_score] for t in tasks]
             delta = over_groups(diffs, "paired difference").format(digits=2, sign=True, interval=True)
         setting = row_name(r)
         if r["bounded"]:
             setting += f" @ {100 * r['budget']:g}%" if r.get("budget") is not None else f" @ {r['heavy']}+{r['recent']}"
         rows.append([
             setting, *(f"{mean([i['score'] for i in by_task[t]]).value:.2f}" for t in tasks),
-            suite.format(digits=2, interval=True), delta, str(len(r["items"])), f"{r['kv_kept_ratio']:.2f}",
+            suite.format(digits=2, interval=True), delta, str(len(r["items"])),
+            "partial" if r.get("partial") else f"{r['kv_kept_ratio']:.2f}",
         ])  # fmt: skip
     print("\n".join(markdown(header, rows)))
+
+
+def unfinished(log: Path) -> dict:
+    """The record-like view of an unfinished cell's item log: its settings line, then one item per line."""
+    lines = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    settings, items = lines[0]["settings"], [line for line in lines[1:] if "score" in line]
+    tasks = list(dict.fromkeys(i["task"] for i in items))
+    return {"kind": "ruler", **settings, "tasks": tasks, "items": items, "partial": True}
 
 
 if __name__ == "__main__":
