@@ -83,6 +83,33 @@ def test_quality_table_reads_folders_and_files_and_labels_count_budgets(tmp_path
     assert "| h2o @ 9+1 | 0.50 | 0.00 | 0.25 [" in out and "| -0.38 [" in out and "| dynamic | 1.00 | 0.25 |" in out
 
 
+def test_quality_table_reads_an_unfinished_cell_on_its_finished_tasks(tmp_path, monkeypatch, capsys):
+    """--partial: an item log without its record is a row marked partial; --tasks keeps the tasks every row
+    finished, and the paired change covers the items both ran."""
+    spec = importlib.util.spec_from_file_location("quality_table", ROOT / "scripts" / "quality_table.py")
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    full = {("a", 0): 1.0, ("a", 1): 1.0, ("b", 0): 0.5, ("b", 1): 0.0}
+    (tmp_path / "dynamic.json").write_text(json.dumps(dict(ruler_record("dynamic", full), bounded=False,
+                                                           kv_kept_ratio=1.0)))  # fmt: skip
+    settings = {"settings": {"policy": "h2o", "bounded": True, "budget": 0.2, "peer": False, "reconstruct": None}}
+    items = [{"task": "a", "length": 1024, "index": 0, "score": 0.0}, {"task": "a", "length": 1024, "index": 1,
+             "score": 1.0}]  # fmt: skip
+    log = tmp_path / "h2o_0.2.items.jsonl"
+    log.write_text("\n".join(json.dumps(line) for line in [settings, *items]) + "\n")
+    monkeypatch.setattr("sys.argv", ["quality_table.py", str(tmp_path)])
+    table.main()
+    assert "h2o" not in capsys.readouterr().out  # item logs only with --partial
+    monkeypatch.setattr("sys.argv", ["quality_table.py", str(tmp_path), "--partial", "--tasks", "a"])
+    table.main()
+    out = capsys.readouterr().out
+    assert "| h2o @ 20% | 0.50 | 0.50 [" in out and "| -0.50 [" in out and "| 2 | partial |" in out
+    monkeypatch.setattr("sys.argv", ["quality_table.py", str(tmp_path), "--partial"])
+    table.main()
+    captured = capsys.readouterr()
+    assert "h2o @ 20%" not in captured.out and "skipped h2o: no items of ['b']" in captured.err
+
+
 def test_compare_answers_counts_equal_answers_item_by_item(tmp_path):
     import subprocess
     import sys
