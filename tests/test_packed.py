@@ -53,7 +53,7 @@ def test_packed_slots_round_trip_write_and_grow():
     for b in range(2):
         for h in range(3):
             assert torch.equal(out[b, h, slot[b, h, 0]], new[b, h, 0])
-    grown = packed.grown(sizes_ok + 2)
+    grown = packed.grown(sizes_ok + 2, int((sizes_ok + 2).max()))
     assert grown.shape[2] == 7 and torch.equal(grown.read()[:, :, :5], out)
     assert torch.equal(grown.index_select(0, torch.tensor([1])).read(), grown.read()[1:])
     with pytest.raises(ValueError, match="sizes must be at most the 5 slots"):

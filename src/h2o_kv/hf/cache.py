@@ -240,17 +240,17 @@ class H2OLayer(Slots):
         policy = self.cache.policy
         if not policy.evicts_during_decode:
             self.scores = policy.accumulate(self.scores, mass, last)
-            self.peak_entries = max(self.peak_entries, self.slots if self.full else int(self.entry_count().max()))
+            self.note_peak(self.slots if self.full else None)
             return
         capacity = self.capacity()
         if self.full and self.slots > policy.capacity:  # steady state: every slot valid, all over the budget
-            self.peak_entries = max(self.peak_entries, self.slots)
+            self.note_peak(self.slots)
             self.scores, victim = policy.decode_victim(self.view(), mass, last)
             self.valid.scatter_(2, victim, False)
             self._free, self.full = victim, False  # the victim is now the only free slot
             return
         self.scores = policy.accumulate(self.scores, mass, last)
-        self.peak_entries = max(self.peak_entries, int(self.entry_count().max()))
+        self.note_peak()
         over = self.entry_count() > capacity
         n_over = int(over.sum())
         if n_over == 0:

@@ -25,10 +25,11 @@ class PackedSlots:
         self.offsets = (flat.cumsum(0) - flat).view_as(sizes)
 
     @classmethod
-    def pack(cls, padded: torch.Tensor, sizes: torch.Tensor) -> PackedSlots:
-        """The first ``sizes[b, h]`` slots of each head of ``padded`` ``[B, H, W, D]`` (``sizes <= W``)."""
+    def pack(cls, padded: torch.Tensor, sizes: torch.Tensor, *, checked: bool = True) -> PackedSlots:
+        """The first ``sizes[b, h]`` slots of each head of ``padded`` ``[B, H, W, D]`` (``sizes <= W``; ``checked``
+        false skips that check, a host synchronisation, where the caller guarantees it)."""
         width = padded.shape[2]
-        if bool((sizes > width).any()):
+        if checked and bool((sizes > width).any()):
             raise ValueError(f"sizes must be at most the {width} slots of the padded buffer")
         return cls(padded[_in_segment(sizes, width)], sizes.clone(), width)
 
@@ -59,9 +60,10 @@ class PackedSlots:
         """The same segments under a padded view of ``slots`` slots (none may be cut)."""
         return type(self).pack(self.read()[:, :, :slots], self.sizes) if slots < self.width else self._with(slots)
 
-    def grown(self, sizes: torch.Tensor) -> PackedSlots:
-        """Segments of ``sizes`` (each at least the old size), the old slots kept at their indices."""
-        return type(self).pack(self._padded_to(max(self.width, int(sizes.max()))), sizes)
+    def grown(self, sizes: torch.Tensor, width: int) -> PackedSlots:
+        """Segments of ``sizes`` (each at least the old size, at most ``width``), the old slots kept at their
+        indices, under a padded view of ``max(width, self.width)`` slots."""
+        return type(self).pack(self._padded_to(max(self.width, width)), sizes, checked=False)
 
     def index_select(self, dim: int, index: torch.Tensor) -> PackedSlots:
         """Sequences ``index`` (``dim`` 0, as transformers' beam search reorders a cache)."""

@@ -49,7 +49,7 @@ class Slots(compat.LayerNames, CacheLayerMixin):
         super().__init__()
         self.cache = cache
         self.seen = 0  # columns seen (one past the newest); positions keep counting, eviction never renumbers
-        self.peak_entries = 0
+        self._peak, self._peak_pending = 0, None  # the peak, and a device-side maximum not read back yet
         # decode fast path: `_free` is the one free slot of every (sequence, head) when the last eviction left
         # exactly that; `full` means every slot holds an entry (then attention needs no mask)
         self._free: torch.Tensor | None = None
@@ -89,6 +89,24 @@ class Slots(compat.LayerNames, CacheLayerMixin):
     def entry_count(self) -> torch.Tensor:
         """Valid entries per (sequence, KV head)."""
         return self.valid.sum(-1)
+
+    @property
+    def peak_entries(self) -> int:
+        """The most entries any (sequence, KV head) held so far (read back from the device only when asked)."""
+        if self._peak_pending is not None:
+            self._peak, self._peak_pending = max(self._peak, int(self._peak_pending)), None
+        return self._peak
+
+    def note_peak(self, entries: int | torch.Tensor | None = None) -> None:
+        """Fold ``entries`` (default: the current largest entry count, a device scalar) into the peak without a
+        host synchronisation."""
+        if entries is None:
+            entries = self.entry_count().max()
+        if isinstance(entries, int):
+            self._peak = max(self._peak, entries)
+        else:
+            pending = self._peak_pending
+            self._peak_pending = entries if pending is None else torch.maximum(pending, entries)
 
     def view(self, pos=None, valid=None, scores=None, keys=None) -> EntryView:
         """The policy's view of the slots (or of the given candidates)."""
@@ -133,10 +151,11 @@ class Slots(compat.LayerNames, CacheLayerMixin):
         """Packed: one more slot for each head whose segment is full (a policy that grows after the prompt, or a
         prompt shorter than its budget); a head at its count keeps the free slot it has."""
         sizes = torch.maximum(self.keys.sizes, self.entry_count() + 1)
-        if bool((sizes > self.keys.sizes).any()):
-            if int(sizes.max()) > self.slots:
-                self._resize(int(sizes.max()))
-            self.keys, self.values = self.keys.grown(sizes), self.values.grown(sizes)
+        grows, width = torch.stack([(sizes > self.keys.sizes).any().long(), sizes.max()]).tolist()  # one sync
+        if grows:
+            if width > self.slots:
+                self._resize(width)
+            self.keys, self.values = self.keys.grown(sizes, width), self.values.grown(sizes, width)
 
     def store(self, chunk: Candidates, index, held, keep: int, *, full_budget: bool) -> None:
         """Gather the candidates ``index`` (``None``: the first ``keep``) into the slots; ``held``: the head-adaptive
@@ -168,7 +187,7 @@ class Slots(compat.LayerNames, CacheLayerMixin):
             if self.cache.packed and not isinstance(self.keys, QuantizedSlots):  # each head's count + its free slot
                 sizes = held + (slots - width)
                 self.keys, self.values = PackedSlots.pack(self.keys, sizes), PackedSlots.pack(self.values, sizes)
-        self.peak_entries = max(self.peak_entries, int(self.entry_count().max()))
+        self.note_peak()
 
     # -- transformers' cache-layer contract (besides update) ----------------------------------------------------
     def get_mask_sizes(self, query, *args) -> tuple[int, int]:
