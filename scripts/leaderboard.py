@@ -2,14 +2,16 @@
 
     python scripts/leaderboard.py --benchmarks "(10),needle,XSUM,lm-eval" --plot results/quality/leaderboard.png \
         > results/quality/leaderboard.md                                                          # the first board
-    python scripts/leaderboard.py --benchmarks "(100)" --plot results/quality/n100/leaderboard.png  # 100 items
+    python scripts/leaderboard.py --benchmarks "(100,(40)" --plot results/quality/n100/leaderboard.png  # 100 items
 
 Each cell is the setting's score and its paired change against the full cache (``dynamic``) over the same items,
 with the 95% interval; an empty cell was not run. Benchmarks and their records:
 
 * RULER 1k, 100 items (20 per task), both protocols (``results/quality/n100/question_after``,
   ``.../question_in_prompt``) and the question-in-prompt items sent through ``h2o-kv serve``'s OpenAI API
-  (``.../question_in_prompt/server``, its own full cache as the baseline); and the first 10-item runs, 1k and 2k
+  (``.../question_in_prompt/server``, its own full cache as the baseline); ``cwe``/``fwe`` at 1k, 40 items
+  (``results/quality/words``); 2k and 4k on an H200 (``results/quality/h200``, finished cells only); and the first
+  10-item runs, 1k and 2k
   (``results/quality/ruler-eval``, ``results/quality/2k/ruler-eval``): suite mean over tasks of
   ``string_match_all``; the change is the mean over tasks of item-by-item differences;
 * needle, question in the prompt, 1k tokens (``results/eval-tasks/needle_*``, ``results/quality/needle``): the
@@ -75,10 +77,19 @@ def tasks(record: dict, base: dict) -> tuple[Estimate, Estimate]:
 
 
 N100 = "results/quality/n100"
+H200 = "results/quality/h200"  # scripts/gpu_quality.sh on one H200 (docs/quality.md, fifth step)
 BENCHMARKS: dict[str, tuple[tuple[str, ...], Callable]] = {
     "RULER 1k, question after (100)": ((f"{N100}/question_after/ruler-eval/*.json",), ruler),
     "RULER 1k, question in prompt (100)": ((f"{N100}/question_in_prompt/ruler-eval/*.json",), ruler),
     "same, through h2o-kv serve (100)": ((f"{N100}/question_in_prompt/server/ruler-eval/*.json",), ruler),
+    "RULER 1k cwe+fwe, question after (40)": (("results/quality/words/question_after/ruler-eval/*.json",), ruler),
+    "RULER 1k cwe+fwe, question in prompt (40)": (
+        ("results/quality/words/question_in_prompt/ruler-eval/*.json",),
+        ruler,
+    ),
+    "RULER 2k, question after (100, H200)": ((f"{H200}/2048/question_after/ruler-eval/*.json",), ruler),
+    "RULER 2k, question in prompt (100, H200)": ((f"{H200}/2048/question_in_prompt/ruler-eval/*.json",), ruler),
+    "RULER 4k, question after (100, H200)": ((f"{H200}/4096/question_after/ruler-eval/*.json",), ruler),
     "RULER 1k, question after (10)": (("results/quality/ruler-eval/*.json",), ruler),
     "RULER 2k, question after (10)": (("results/quality/2k/ruler-eval/*.json",), ruler),
     "needle 1k": (("results/eval-tasks/needle_*.json", "results/quality/needle/*.json"), needle),
