@@ -233,6 +233,7 @@ def test_a_setting_needing_a_missing_extra_is_refused_before_any_work(monkeypatc
     assert "pip install -e '.[quant-peer]'" in result.output and not out.exists()
 
 
+@PG19
 @pytest.mark.parametrize("quanto", [False, True])
 def test_kv_memory_defaults_skip_a_missing_extra_before_work(tmp_path, monkeypatch, quanto):
     """``bench kv-memory`` with its default settings: without optimum-quanto the QuantizedCache row is skipped in
