@@ -4,6 +4,8 @@
     python scripts/quality_table.py results/quality/ruler-dev-split results/quality/ruler-dev/dynamic.json
     python scripts/quality_table.py results/quality/h200/2048/question_in_prompt/ruler-eval --partial \
         --tasks niah_single,niah_multikey --baseline kvpress:kvzip   # unfinished cells, on their finished tasks
+    python scripts/quality_table.py results/quality/n100/question_after/ruler-eval \
+        results/quality/words/question_after/ruler-eval --merge   # the 5-task suite and cwe/fwe: one 7-task mean
 
 Paths are folders (their ``*.json``) or record files.
 
@@ -11,6 +13,8 @@ Rows: one KV setting; columns: each task's mean score (items scored by string_ma
 tasks) with its 95% interval, and the paired difference with the baseline over the same items (mean over tasks of
 the item-by-item differences over the items both ran, 95% interval). Reads only the JSON records (with
 ``--partial`` also the item logs of unfinished cells, ``*.items.jsonl``: rows marked "partial"); prints markdown.
+``--merge`` joins a setting's records of different tasks (one run of the five retrieval tasks, another of
+``cwe``/``fwe``) into one row over all their tasks; a row missing a task is left out, named on stderr.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=None, help="only the bounded settings at this budget")
     parser.add_argument("--partial", action="store_true", help="also the item logs of unfinished cells")
     parser.add_argument("--tasks", default=None, help="only these tasks (comma-separated)")
+    parser.add_argument("--merge", action="store_true", help="one row per setting over the tasks of its records")
     args = parser.parse_args()
     files = [file for path in args.paths for file in (sorted(path.glob("*.json")) if path.is_dir() else [path])]
     records = [json.loads(p.read_text()) for p in files]
@@ -46,7 +51,9 @@ def main() -> None:
     records = [r for r in records if args.budget is None or not r["bounded"] or r["budget"] == args.budget]
     if not records:
         raise SystemExit(f"Error: no ruler records in {' '.join(map(str, args.paths))}")
-    tasks = records[0]["tasks"]
+    if args.merge:
+        records = merged(records)
+    tasks = max((r["tasks"] for r in records), key=len) if args.merge else records[0]["tasks"]
     base = next((r for r in records if r["policy"] == args.baseline), None)
     header = ["setting", *tasks, "mean [95% CI]", f"vs {args.baseline} (paired) [95% CI]", "items", "kept"]
     rows = []
@@ -71,6 +78,25 @@ def main() -> None:
             "partial" if r.get("partial") else f"{r['kv_kept_ratio']:.2f}",
         ])  # fmt: skip
     print("\n".join(markdown(header, rows)))
+
+
+def merged(records: list[dict]) -> list[dict]:
+    """One record per setting (name, budget, protocol), its records' items and tasks joined; two records of one
+    setting sharing a task are an error (which one would count?)."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in records:
+        key = (row_name(r), r["bounded"], r.get("budget"), r.get("heavy"), r.get("recent"), r.get("protocol"))
+        groups.setdefault(key, []).append(r)
+    joined = []
+    for group in groups.values():
+        tasks = list(dict.fromkeys(t for r in group for t in r["tasks"]))
+        if len(tasks) < sum(len(r["tasks"]) for r in group):
+            raise SystemExit(f"Error: --merge: two records of {row_name(group[0])} share a task")
+        items = [i for r in group for i in r["items"]]
+        kept = sum(r.get("kv_kept_ratio", 0) * len(r["items"]) for r in group) / max(1, len(items))
+        partial = any(r.get("partial") for r in group)
+        joined.append(dict(group[0], tasks=tasks, items=items, kv_kept_ratio=kept, partial=partial))
+    return joined
 
 
 def unfinished(log: Path) -> dict:

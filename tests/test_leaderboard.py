@@ -110,6 +110,35 @@ def test_quality_table_reads_an_unfinished_cell_on_its_finished_tasks(tmp_path, 
     assert "h2o @ 20%" not in captured.out and "skipped h2o: no items of ['b']" in captured.err
 
 
+def test_quality_table_merges_one_settings_records_of_different_tasks(tmp_path, monkeypatch, capsys):
+    """--merge: a setting's run of tasks a/b and its run of task c are one row over the three tasks (mean over tasks,
+    paired over all items); two records of one setting sharing a task are refused; without --merge, a separate row."""
+    spec = importlib.util.spec_from_file_location("quality_table", ROOT / "scripts" / "quality_table.py")
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+
+    def write(folder, name, policy, scores, tasks):
+        record = dict(ruler_record(policy, scores, None if policy == "dynamic" else 0.2), tasks=tasks,
+                      bounded=policy != "dynamic", kv_kept_ratio=1.0 if policy == "dynamic" else 0.2)  # fmt: skip
+        (folder / name).write_text(json.dumps(record))
+
+    suite, words = tmp_path / "suite", tmp_path / "words"
+    suite.mkdir(), words.mkdir()
+    write(suite, "dynamic.json", "dynamic", {("a", 0): 1.0, ("b", 0): 1.0}, ["a", "b"])
+    write(suite, "h2o_0.2.json", "h2o", {("a", 0): 1.0, ("b", 0): 0.0}, ["a", "b"])
+    write(words, "dynamic.json", "dynamic", {("c", 0): 0.5, ("c", 1): 0.5}, ["c"])
+    write(words, "h2o_0.2.json", "h2o", {("c", 0): 0.5, ("c", 1): 0.0}, ["c"])
+    monkeypatch.setattr("sys.argv", ["quality_table.py", str(suite), str(words), "--merge"])
+    table.main()
+    out = capsys.readouterr().out
+    # h2o: task means 1.0, 0.0, 0.25 -> 0.42; paired: (0 + -1 + -0.25) / 3 = -0.42
+    assert "| h2o @ 20% | 1.00 | 0.00 | 0.25 | 0.42 [" in out and "| -0.42 [" in out and "| 4 | 0.20 |" in out
+    assert "| dynamic | 1.00 | 1.00 | 0.50 | 0.83 [" in out
+    monkeypatch.setattr("sys.argv", ["quality_table.py", str(suite), str(suite / "h2o_0.2.json"), "--merge"])
+    with pytest.raises(SystemExit, match="two records of h2o share a task"):
+        table.main()
+
+
 def test_compare_answers_counts_equal_answers_item_by_item(tmp_path):
     import subprocess
     import sys

@@ -1,7 +1,8 @@
 """``h2o-kv eval ruler/needle --server``: the items of a transformers run, sent through ``h2o-kv serve``'s OpenAI
 API (issue 23 part 3). With eviction at 20% of each prompt the server's answers equal the transformers backend's
-item for item (h2o and the full cache as ``h2o_policy: full`` on the same evicting server), the record says where
-the items ran, and the resumable item log is the server's own. One server for the module; skips without vLLM.
+item for item (h2o, the server's retrieval policy ``snapkv:kernel=21``, and the full cache as ``h2o_policy: full``
+on the same evicting server), the record says where the items ran, and the resumable item log is the server's own.
+One server for the module; skips without vLLM.
 """
 
 from __future__ import annotations
@@ -45,14 +46,14 @@ def default_model():
 
 
 @haystack
-@pytest.mark.parametrize("policy", ["h2o", "dynamic"])
+@pytest.mark.parametrize("policy", ["h2o", "snapkv:kernel=21", "dynamic"])
 def test_ruler_through_the_server_equals_the_transformers_backend(server, default_model, policy, tmp_path):
     from h2o_kv.eval.ruler import RulerJob, run_ruler
     from h2o_kv.eval.server import ServerRunner
     from h2o_kv.harness.setting import KVSetting
 
     model, tokenizer = default_model
-    setting = KVSetting.of(policy, budget=BUDGET if policy == "h2o" else None)
+    setting = KVSetting.of(policy, budget=None if policy == "dynamic" else BUDGET)
     job = RulerJob.create(setting, tokenizer, lengths="512", tasks="niah_single,niah_multivalue,vt", n=2,
                           protocol="question_in_prompt")  # fmt: skip
     local = run_ruler(job, model, tokenizer, model_name="m")
@@ -61,9 +62,9 @@ def test_ruler_through_the_server_equals_the_transformers_backend(server, defaul
     served = run_ruler(job, None, tokenizer, path, model_name="m", runner=runner)
     assert [i["answer"] for i in served["items"]] == [i["answer"] for i in local["items"]]
     assert served["metrics"] == local["metrics"]
-    if policy == "h2o":  # eviction is real: a fifth of each ~500-token prompt
+    if policy != "dynamic":  # eviction is real: a fifth of each ~500-token prompt
         assert all(i["kept"] == 2 * int(BUDGET * i["prompt_tokens"] / 2) < i["prompt_tokens"] for i in served["items"])
-        assert runner.xargs == {"h2o_policy": "h2o", "h2o_budget": BUDGET, "h2o_min_entries": 0}
+        assert runner.xargs == {"h2o_policy": policy, "h2o_budget": BUDGET, "h2o_min_entries": 0}
     else:
         assert runner.xargs == {"h2o_policy": "full"}
     record = json.loads(path.read_text())

@@ -23,6 +23,10 @@ class SnapKV(Policy):
     window's own entries are always kept, the best-scored others fill the budget ``heavy + recent``. Decode steps
     evict nothing (``evicts_during_decode = False``): the cache grows from the compressed prompt, as in the paper
     and in kvpress. Defaults follow SnapKV's published configuration (window 32, kernel 7, max pooling).
+
+    The pooling must span the tokens of one fact: where a tokenizer spells a number digit by digit (SmolLM2), the
+    window's attention peaks on the fact's key and kernel 7 keeps only the first digits of a 7-digit value;
+    ``snapkv:kernel=21`` keeps it (RULER 1k, question in the prompt, 20%: 0.57 against 0.01; docs/quality.md).
     """
 
     window: int = 32
