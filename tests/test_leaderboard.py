@@ -156,6 +156,15 @@ def test_compare_answers_counts_equal_answers_item_by_item(tmp_path):
     differ = subprocess.run([sys.executable, script, str(tmp_path / "x.json"), str(tmp_path / "y.json")],
                             capture_output=True, text=True)  # fmt: skip
     assert differ.returncode == 1 and differ.stdout.startswith("1/2 answers equal") and "'2' | '3'" in differ.stdout
+    log = tmp_path / "z.items.jsonl"  # an unfinished cell: its settings line, then the one item it ran
+    log.write_text('{"settings": {}}\n' + json.dumps({"task": "a", "length": 1024, "index": 0, "answer": "1"}) + "\n")
+    unpaired = subprocess.run(
+        [sys.executable, script, str(tmp_path / "x.json"), str(log)], capture_output=True, text=True
+    )
+    assert unpaired.returncode == 1 and "1 items without a partner" in unpaired.stdout
+    common = subprocess.run([sys.executable, script, str(tmp_path / "y.json"), str(log), "--common"],
+                            capture_output=True, text=True)  # fmt: skip
+    assert common.returncode == 0 and common.stdout.startswith("1/1 answers equal")
 
 
 def test_a_dirty_record_is_trusted_when_a_commit_holds_its_sources():
