@@ -90,6 +90,7 @@ BENCHMARKS: dict[str, tuple[tuple[str, ...], Callable]] = {
     ),
     "RULER 2k, question after (100, H200)": ((f"{H200}/2048/question_after/ruler-eval/*.json",), ruler),
     "RULER 2k, question in prompt (100, H200)": ((f"{H200}/2048/question_in_prompt/ruler-eval/*.json",), ruler),
+    "RULER 2k, question after (100, CPU)": (("results/quality/cpu/2048/question_after/ruler-eval/*.json",), ruler),
     "RULER 2k, question in prompt (100, CPU)": (
         ("results/quality/cpu/2048/question_in_prompt/ruler-eval/*.json",),
         ruler,
