@@ -36,6 +36,7 @@ def main() -> None:
     parser.add_argument("--partial", action="store_true", help="also the item logs of unfinished cells")
     parser.add_argument("--tasks", default=None, help="only these tasks (comma-separated)")
     parser.add_argument("--merge", action="store_true", help="one row per setting over the tasks of its records")
+    parser.add_argument("--digits", type=int, default=2, help="decimals of the paired change and its interval")
     args = parser.parse_args()
     files = [file for path in args.paths for file in (sorted(path.glob("*.json")) if path.is_dir() else [path])]
     records = [json.loads(p.read_text()) for p in files]
@@ -68,7 +69,7 @@ def main() -> None:
             base_score = {(i["task"], i["length"], i["index"]): i["score"] for i in base["items"]}
             key = lambda i: (i["task"], i["length"], i["index"])  # noqa: E731
             diffs = [[i["score"] - base_score[key(i)] for i in by_task[t] if key(i) in base_score] for t in tasks]
-            delta = over_groups(diffs, "paired difference").format(digits=2, sign=True, interval=True)
+            delta = over_groups(diffs, "paired difference").format(digits=args.digits, sign=True, interval=True)
         setting = row_name(r)
         if r["bounded"]:
             setting += f" @ {100 * r['budget']:g}%" if r.get("budget") is not None else f" @ {r['heavy']}+{r['recent']}"
