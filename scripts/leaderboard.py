@@ -2,7 +2,7 @@
 
     python scripts/leaderboard.py --benchmarks "(10),needle,XSUM,lm-eval" --plot results/quality/leaderboard.png \
         > results/quality/leaderboard.md                                                          # the first board
-    python scripts/leaderboard.py --benchmarks "(100,(40)" --plot results/quality/n100/leaderboard.png  # 100 items
+    python scripts/leaderboard.py --benchmarks "(100,(40" --plot results/quality/n100/leaderboard.png  # 100 items
 
 Each cell is the setting's score and its paired change against the full cache (``dynamic``) over the same items,
 with the 95% interval; an empty cell was not run. Benchmarks and their records:
@@ -153,7 +153,7 @@ def order(setting: str) -> tuple:
     if setting == BASELINE:
         return (0,)
     name, budget = setting.rsplit(" @ ", 1)
-    return (1, float(budget.rstrip("%")), ":" in name, name)
+    return (1, float(budget.rstrip("%")), name.startswith("kvpress:"), name)
 
 
 def main() -> None:
@@ -191,13 +191,14 @@ def main() -> None:
 
 
 def plot(table, settings, path: Path) -> None:
-    """One panel per benchmark: each setting's paired change vs the full cache with its 95% interval."""
+    """One panel per benchmark with a bounded setting: each one's paired change vs the full cache, 95% interval."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     bounded = [s for s in settings if s != BASELINE]
+    table = {bench: cells for bench, cells in table.items() if len(cells) > 1}  # a column with only the full cache
     fig, axes = plt.subplots(
         1, len(table), figsize=(4 * len(table), 0.28 * len(bounded) + 1.5), sharey=True, squeeze=False
     )
@@ -208,7 +209,7 @@ def plot(table, settings, path: Path) -> None:
                 continue
             change = cells[setting][1]
             low, high = change.interval() or (change.value, change.value)
-            peer = ":" in setting
+            peer = setting.startswith("kvpress:")
             ax.errorbar(change.value, y, xerr=[[change.value - low], [high - change.value]], fmt="s" if peer else "o",
                         color="tab:gray" if peer else "tab:blue", capsize=2, markersize=4)  # fmt: skip
         ax.axvline(0, color="black", linewidth=0.8)

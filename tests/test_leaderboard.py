@@ -181,3 +181,16 @@ def test_a_dirty_record_is_trusted_when_a_commit_holds_its_sources():
     assert board.trusted(copied)
     assert not board.trusted({"git": {"commit": "abc", "dirty": True, "src_tree": "0" * 40}})
     assert not board.trusted({"git": {"commit": None, "dirty": False}})
+
+
+def test_h2o_kv_settings_with_options_sort_before_the_presses():
+    """A setting's options (``snapkv:kernel=21``) hold a colon too: only ``kvpress:`` names a press."""
+    board = load_leaderboard()
+    found = ["kvpress:kvzip @ 20%", "snapkv:kernel=21 @ 20%", "dynamic", "h2o @ 10%", "kvpress:kvzip @ 10%"]
+    assert sorted(found, key=board.order) == [
+        "dynamic",
+        "h2o @ 10%",
+        "kvpress:kvzip @ 10%",
+        "snapkv:kernel=21 @ 20%",
+        "kvpress:kvzip @ 20%",
+    ]
