@@ -148,12 +148,17 @@ def collect(budgets: list[float] | None = None) -> dict[str, dict[str, Cell]]:
     return table
 
 
+def is_press(setting: str) -> bool:
+    """A kvpress press (``kvpress:kvzip``); h2o-kv's settings may hold a colon too (``snapkv:kernel=21``)."""
+    return setting.startswith("kvpress:")
+
+
 def order(setting: str) -> tuple:
     """The baseline first, then by budget, h2o-kv's settings before the presses, by name."""
     if setting == BASELINE:
         return (0,)
     name, budget = setting.rsplit(" @ ", 1)
-    return (1, float(budget.rstrip("%")), name.startswith("kvpress:"), name)
+    return (1, float(budget.rstrip("%")), is_press(name), name)
 
 
 def main() -> None:
@@ -209,7 +214,7 @@ def plot(table, settings, path: Path) -> None:
                 continue
             change = cells[setting][1]
             low, high = change.interval() or (change.value, change.value)
-            peer = setting.startswith("kvpress:")
+            peer = is_press(setting)
             ax.errorbar(change.value, y, xerr=[[change.value - low], [high - change.value]], fmt="s" if peer else "o",
                         color="tab:gray" if peer else "tab:blue", capsize=2, markersize=4)  # fmt: skip
         ax.axvline(0, color="black", linewidth=0.8)

@@ -38,6 +38,8 @@ def main() -> None:
     parser.add_argument("--merge", action="store_true", help="one row per setting over the tasks of its records")
     parser.add_argument("--digits", type=int, default=2, help="decimals of the paired change and its interval")
     args = parser.parse_args()
+    if not 0 <= args.digits <= 6:
+        parser.error(f"--digits must be an integer in [0, 6], got {args.digits}")
     files = [file for path in args.paths for file in (sorted(path.glob("*.json")) if path.is_dir() else [path])]
     records = [json.loads(p.read_text()) for p in files]
     records = [r for r in records if r.get("kind") == "ruler"]
