@@ -11,7 +11,7 @@ with the 95% interval; an empty cell was not run. Benchmarks and their records:
   ``.../question_in_prompt``) and the question-in-prompt items sent through ``h2o-kv serve``'s OpenAI API
   (``.../question_in_prompt/server``, its own full cache as the baseline); ``cwe``/``fwe`` at 1k, 40 items
   (``results/quality/words``); 2k and 4k on an H200 (``results/quality/h200``, finished cells only); 2k, both
-  protocols, and 4k with the question after (40 items, 8 per task) on this CPU (``results/quality/cpu``); and the
+  protocols, and 4k, both protocols at 20% (40 items, 8 per task), on this CPU (``results/quality/cpu``); and the
   first 10-item runs, 1k and 2k (``results/quality/ruler-eval``, ``results/quality/2k/ruler-eval``): suite mean
   over tasks of ``string_match_all``; the change is the mean over tasks of item-by-item differences;
 * needle, question in the prompt, 1k tokens (``results/eval-tasks/needle_*``, ``results/quality/needle``): the
@@ -96,6 +96,10 @@ BENCHMARKS: dict[str, tuple[tuple[str, ...], Callable]] = {
     ),
     "RULER 4k, question after (100, H200)": ((f"{H200}/4096/question_after/ruler-eval/*.json",), ruler),
     "RULER 4k, question after (40, CPU)": (("results/quality/cpu/4096/question_after/ruler-eval/*.json",), ruler),
+    "RULER 4k, question in prompt (40, CPU)": (
+        ("results/quality/cpu/4096/question_in_prompt/ruler-eval/*.json",),
+        ruler,
+    ),
     "RULER 1k, question after (10)": (("results/quality/ruler-eval/*.json",), ruler),
     "RULER 2k, question after (10)": (("results/quality/2k/ruler-eval/*.json",), ruler),
     "needle 1k": (("results/eval-tasks/needle_*.json", "results/quality/needle/*.json"), needle),
