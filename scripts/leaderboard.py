@@ -12,8 +12,9 @@ with the 95% interval; an empty cell was not run. Benchmarks and their records:
   (``.../question_in_prompt/server``, its own full cache as the baseline); ``cwe``/``fwe`` at 1k, 40 items
   (``results/quality/words``); 2k and 4k on an H200 (``results/quality/h200``, finished cells only); 2k, both
   protocols, and 4k on 40 items (8 per task; 20% in both protocols, 10% in the prompt), on this CPU
-  (``results/quality/cpu``); and the first 10-item runs, 1k and 2k (``results/quality/ruler-eval``, ``results/quality/2k/ruler-eval``): suite mean
-  over tasks of ``string_match_all``; the change is the mean over tasks of item-by-item differences;
+  (``results/quality/cpu``); and the first 10-item runs, 1k and 2k (``results/quality/ruler-eval``,
+  ``results/quality/2k/ruler-eval``): suite mean over tasks of ``string_match_all``; the change is the mean over
+  tasks of item-by-item differences;
 * needle, question in the prompt, 1k tokens (``results/eval-tasks/needle_*``, ``results/quality/needle``): the
   five depth cells at 1,024 tokens;
 * XSUM, 50 articles (``results/eval-tasks/xsum_*``, ``results/quality/eval/xsum_*``): ROUGE-2 (x100);
